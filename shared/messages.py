@@ -1,0 +1,136 @@
+"""Wire messages between frontends and the engine core.
+
+Every message is a msgspec Struct (array_like, omit_defaults, tagged union), encoded with
+msgpack. Token ids and logprob arrays travel as packed little-endian int32/float32 bytes
+(columnar per step), never as one Python object per token: `ints()`/`floats()` pack them and
+`as_ints()`/`as_floats()` read them back as numpy views without copying.
+
+Frontend -> engine: Hello, AddRequest, AbortRequest, UtilityRequest.
+Engine -> frontend: Ready, StepOutputs, UtilityResult.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import msgspec
+import numpy as np
+
+
+class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base of every tagged wire message."""
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What the engine needs to sample one request. Text-level options (stop strings,
+    detokenization) stay in the frontend."""
+
+    max_tokens: int = 16  # 0 => prefill only, nothing sampled
+    temperature: float = 1.0  # 0 => greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 => off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None => none; k => sampled token + top-k (k <= 20)
+    prompt_logprobs: int | None = None  # None => none; k => per prompt token + top-k
+
+
+class Hello(_Wire, tag="hello"):
+    client_id: str
+
+
+class Ready(_Wire, tag="ready"):
+    """The model facts a frontend needs, sent in answer to Hello."""
+
+    model: str
+    tokenizer: str  # a local folder or hub id the frontend can load the tokenizer from
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None = None
+    engine_pid: int = 0
+
+
+class AddRequest(_Wire, tag="add"):
+    request_id: str
+    prompt_token_ids: bytes  # int32
+    params: SamplingParams
+
+
+class AbortRequest(_Wire, tag="abort"):
+    request_ids: list[str]
+
+
+class UtilityRequest(_Wire, tag="util"):
+    call_id: int
+    method: str  # "stats" | "ping"
+
+
+class UtilityResult(_Wire, tag="util_result"):
+    call_id: int
+    result: dict[str, Any] = {}
+    error: str | None = None
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Logprobs of prompt tokens 1..P-1 (token 0 has none), sent once per request."""
+
+    index: int  # row in StepOutputs.req_ids
+    logprobs: bytes  # float32 [P-1]
+    ranks: bytes  # int32 [P-1]
+    k: int = 0
+    top_ids: bytes = b""  # int32 [(P-1) * k]
+    top_logprobs: bytes = b""  # float32 [(P-1) * k]
+
+
+class Finished(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    index: int  # row in StepOutputs.req_ids
+    reason: str  # "stop" | "length" | "abort" | "error"
+    stop_token_id: int | None = None  # set when a stop_token_ids entry ended it
+    message: str | None = None  # for "error": why the engine refused the request
+
+
+class StepOutputs(_Wire, tag="out"):
+    """One engine step's news for the requests of one frontend, column by column.
+
+    Row i is request req_ids[i]. token_ids[i] is its new token or -1 (a prefill chunk that
+    sampled nothing). lp_k[i] is -1 without logprobs, else the number of top entries k_i;
+    lp_top_ids/lp_top_vals hold the rows' top-k back to back.
+    """
+
+    req_ids: list[str]
+    token_ids: bytes  # int32 [n]
+    lp_k: bytes = b""  # int32 [n] (empty => no row has logprobs)
+    lp_sampled: bytes = b""  # float32 [n]
+    lp_rank: bytes = b""  # int32 [n]
+    lp_top_ids: bytes = b""  # int32 [sum k_i]
+    lp_top_vals: bytes = b""  # float32 [sum k_i]
+    prompt_logprobs: list[PromptLogprobs] = []
+    finished: list[Finished] = []
+
+
+EngineInput = Hello | AddRequest | AbortRequest | UtilityRequest
+EngineOutput = Ready | StepOutputs | UtilityResult
+
+
+def ints(values: Sequence[int] | np.ndarray) -> bytes:
+    return np.asarray(values, dtype="<i4").tobytes()
+
+
+def floats(values: Sequence[float] | np.ndarray) -> bytes:
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def as_ints(buf: bytes) -> np.ndarray:
+    return np.frombuffer(buf, dtype="<i4")
+
+
+def as_floats(buf: bytes) -> np.ndarray:
+    return np.frombuffer(buf, dtype="<f4")
