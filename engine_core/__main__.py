@@ -1,0 +1,5 @@
+import sys
+
+from engine_core.main import main
+
+sys.exit(main())

@@ -1,0 +1,117 @@
+"""Paged attention over one packed batch of prefill chunks and decodes.
+
+The step's metadata (`AttentionMetadata`) is built once per step with array ops and shared
+by every layer. Each layer writes the step's new K/V into its slots of the paged cache, then
+attends:
+- decodes (one query each) in one batched SDPA call over their gathered, padded contexts;
+- prefill chunks one SDPA call each, causal with the chunk's offset in its sequence.
+`paged_attention` is the portable torch path (CPU, and CUDA fallback); a fast CUDA kernel
+slots in by registering another function with the same signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    rows: slice  # rows of the packed batch
+    slots: torch.Tensor  # [ctx] cache slots of positions 0..ctx-1
+    mask: torch.Tensor | None  # [q, ctx] bool, True = attend; None when the chunk is the whole context
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    decode_rows: torch.Tensor  # [Bd] rows of the packed batch that are single-token decodes
+    decode_slots: torch.Tensor  # [Bd, L] context slots, padded with slot 0
+    decode_mask: torch.Tensor  # [Bd, 1, 1, L] bool
+    prefills: list[PrefillChunk]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [slots, Hkv, D] each
+
+
+def build_metadata(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndarray,
+                   block_size: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                   device: torch.device) -> tuple[AttentionMetadata, np.ndarray]:
+    """Metadata for one step. Returns it with the positions of the packed tokens.
+
+    starts[i], num_new[i]: request i computes positions [starts[i], starts[i] + num_new[i]).
+    block_table: [B, max_blocks] block ids (rows padded with 0).
+    """
+    seq_of_token = np.repeat(np.arange(len(starts)), num_new)
+    offsets = np.cumsum(num_new) - num_new
+    positions = starts[seq_of_token] + np.arange(int(num_new.sum())) - offsets[seq_of_token]
+    slot_mapping = (block_table[seq_of_token, positions // block_size] * block_size
+                    + positions % block_size)
+
+    is_decode = num_new == 1
+    dec = np.nonzero(is_decode)[0]
+    ctx = starts[dec] + 1
+    width = int(ctx.max()) if len(dec) else 1
+    grid = np.arange(width)[None, :]
+    dec_slots = block_table[dec[:, None], np.minimum(grid, ctx[:, None] - 1) // block_size] * block_size \
+        + grid % block_size
+    dec_mask = grid < ctx[:, None]
+
+    prefills = []
+    for i in np.nonzero(~is_decode)[0]:
+        start, q = int(starts[i]), int(num_new[i])
+        total = start + q
+        pos = np.arange(total)
+        slots = block_table[i, pos // block_size] * block_size + pos % block_size
+        mask = None
+        if start:
+            mask = torch.from_numpy(np.arange(total)[None, :] <= (start + np.arange(q))[:, None])
+            mask = mask.to(device)
+        rows = slice(int(offsets[i]), int(offsets[i]) + q)
+        prefills.append(PrefillChunk(rows, torch.from_numpy(slots).to(device), mask))
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        decode_rows=torch.from_numpy(offsets[dec]).to(device),
+        decode_slots=torch.from_numpy(np.where(dec_mask, dec_slots, 0)).to(device),
+        decode_mask=torch.from_numpy(dec_mask)[:, None, None, :].to(device),
+        prefills=prefills,
+        kv_caches=kv_caches,
+    )
+    return meta, positions
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, attention_mask: torch.Tensor | None,
+                    scaling: float | None = None, dropout: float = 0.0,
+                    tandem_meta: AttentionMetadata | None = None, **_: object
+                    ) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface function: query [1, H, T, D], key/value [1, Hkv, T, D].
+
+    Returns [1, T, H, D] as transformers expects.
+    """
+    assert tandem_meta is not None, "paged_attention needs tandem_meta"
+    meta = tandem_meta
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]  # type: ignore[index]
+    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
+    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    out = torch.empty_like(q)
+    if len(meta.decode_rows):
+        qd = q[meta.decode_rows].unsqueeze(2)  # [Bd, H, 1, D]
+        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [Bd, Hkv, L, D]
+        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
+                                            scale=scaling, enable_gqa=True)
+        out[meta.decode_rows] = od.squeeze(2)
+    for chunk in meta.prefills:
+        qp = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        kp = k_cache[chunk.slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+        vp = v_cache[chunk.slots].transpose(0, 1).unsqueeze(0)
+        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask,
+                                            is_causal=chunk.mask is None, scale=scaling,
+                                            enable_gqa=True)
+        out[chunk.rows] = op[0].transpose(0, 1)
+    return out.unsqueeze(0), None

@@ -1,0 +1,35 @@
+"""Engine configuration: one frozen dataclass built once from the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # local folder or hub id
+    served_model_name: str | None = None
+    tokenizer: str | None = None  # defaults to the model
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None => a default for the device
+    num_kv_blocks: int | None = None  # exact block count; wins over kv_cache_memory
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"  # auto => float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads; None => leave torch's choice
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("--num-kv-blocks must be at least 1")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype {self.dtype!r}: choose auto, float32, bfloat16 or float16")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device {self.device!r}: choose auto, cpu or cuda")

@@ -1,0 +1,234 @@
+"""EngineCore: requests in, one step at a time, columnar outputs out. No I/O here.
+
+`step()` is the pipeline: schedule -> run the model -> sample -> update request states.
+The process wrapper (engine_core/process.py) feeds it from sockets; tests and the benchmark
+drive it in-process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter
+
+import numpy as np
+import torch
+
+from engine_core.block_manager import BlockManager
+from engine_core.config import EngineConfig
+from engine_core.model_runner import ModelRunner
+from engine_core.outputs import Row, group_by_owner
+from engine_core.request import Request
+from engine_core.sampler import Sampler, TopLogprobs, token_logprobs
+from engine_core.scheduler import Scheduled, Scheduler, SchedulerOutput
+from shared.messages import Finished, SamplingParams, StepOutputs
+
+log = logging.getLogger(__name__)
+MAX_LOGPROBS = 20
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.facts = self.runner.facts
+        self.max_model_len = self.facts.max_model_len
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
+                                   config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(self.facts.eos_token_ids, self.facts.vocab_size, config.seed)
+        self.requests: dict[str, Request] = {}
+        self._refused: list[Row] = []
+        self._arrivals = itertools.count()
+        self.counters: Counter[str] = Counter()
+
+    # -- requests in ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    owner: bytes = b"") -> None:
+        error = self._admission_error(request_id, prompt_token_ids, params)
+        if error is not None:
+            log.info("refused %s: %s", request_id, error)
+            self._refused.append(Row(request_id, owner, finish=Finished(0, "error", message=error)))
+            return
+        req = Request(request_id, prompt_token_ids, params, owner, next(self._arrivals))
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _admission_error(self, request_id: str, prompt: list[int], params: SamplingParams) -> str | None:
+        if request_id in self.requests:
+            return f"request id {request_id!r} is already running"
+        if not prompt:
+            return "the prompt is empty"
+        if any(t < 0 or t >= self.facts.vocab_size for t in prompt):
+            return f"prompt token ids must be in [0, {self.facts.vocab_size})"
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                return f"{name} must be between 0 and {MAX_LOGPROBS}"
+        need = len(prompt) + (1 if params.max_tokens > 0 else 0)
+        if need > self.max_model_len:
+            return (f"the prompt has {len(prompt)} tokens; this model's maximum context length "
+                    f"is {self.max_model_len} tokens")
+        longest = min(len(prompt) + params.max_tokens, self.max_model_len)
+        if self.blocks.blocks_needed(longest) > self.blocks.num_blocks:
+            return (f"the request needs up to {longest} tokens of KV cache but the whole cache "
+                    f"holds {self.blocks.num_blocks * self.blocks.block_size}")
+        return None
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is not None:
+                self.scheduler.remove(req)
+                self.counters["finished_abort"] += 1
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or bool(self._refused)
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self) -> dict[bytes, StepOutputs]:
+        """Run one step; return the news for each frontend (by owner identity)."""
+        rows, self._refused = self._refused, []
+        sched = self.scheduler.schedule()
+        if sched.scheduled:
+            rows += self._execute(sched)
+        return group_by_owner(rows) if rows else {}
+
+    def _execute(self, sched: SchedulerOutput) -> list[Row]:
+        plan = _plan_rows(sched.scheduled)
+        logits = self.runner.execute(sched, plan.keep)
+        samplers = [s.request for s in sched.scheduled if s.samples]
+        sampled = self.sampler(logits[plan.sample_rows], samplers) if samplers else None
+        prompt_lps = self._prompt_logprobs(sched.scheduled, plan, logits)
+        rows: list[Row] = []
+        for s in sched.scheduled:
+            s.request.num_computed_tokens += s.num_new
+            self.scheduler.publish_computed_blocks(s.request)
+            self.counters["prompt_tokens"] += max(0, min(s.start + s.num_new, s.request.num_prompt_tokens) - s.start)
+        if sampled is not None:
+            rows += self._accept_samples(samplers, sampled.token_ids, sampled.logprob_rows, sampled.logprobs)
+        for s in sched.scheduled:
+            req = s.request
+            if s.completes_prefill and req.prefill_only:
+                rows.append(self._finish(Row(req.request_id, req.owner), req, "length"))
+        rows = _merge_prompt_logprobs(rows, prompt_lps)
+        return rows
+
+    def _accept_samples(self, reqs: list[Request], tokens: np.ndarray, lp_rows: np.ndarray,
+                        lps: TopLogprobs | None) -> list[Row]:
+        lp_at = {int(r): j for j, r in enumerate(lp_rows)}
+        rows = []
+        for i, req in enumerate(reqs):
+            token = int(tokens[i])
+            req.append_token(token)
+            self.counters["generation_tokens"] += 1
+            row = Row(req.request_id, req.owner, token)
+            j = lp_at.get(i)
+            if j is not None and lps is not None:
+                k = req.params.logprobs or 0
+                row.logprobs = TopLogprobs(lps.logprobs[j:j + 1], lps.ranks[j:j + 1],
+                                           lps.top_ids[j:j + 1, :k], lps.top_logprobs[j:j + 1, :k])
+            reason, stop_token = self._stop_reason(req, token)
+            if reason is not None:
+                self._finish(row, req, reason, stop_token)
+            rows.append(row)
+        return rows
+
+    def _stop_reason(self, req: Request, token: int) -> tuple[str | None, int | None]:
+        p = req.params
+        if req.num_output_tokens > p.min_tokens:  # earlier stop tokens were masked out
+            if token in p.stop_token_ids:
+                return "stop", token
+            if not p.ignore_eos and token in self.facts.eos_token_ids:
+                return "stop", None
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _finish(self, row: Row, req: Request, reason: str, stop_token: int | None = None) -> Row:
+        row.finish = Finished(0, reason, stop_token)
+        self.scheduler.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.counters[f"finished_{reason}"] += 1
+        return row
+
+    def _prompt_logprobs(self, scheduled: list[Scheduled], plan: "_RowPlan",
+                         logits: torch.Tensor) -> dict[str, TopLogprobs]:
+        """Accumulate prompt logprobs per chunk; return the complete ones of this step."""
+        done: dict[str, TopLogprobs] = {}
+        for s, (lo, hi) in zip(scheduled, plan.prompt_rows):
+            req = s.request
+            if req.prompt_logprobs_done:
+                continue
+            if hi > lo:
+                first = s.start + 1  # logits at position p score prompt token p + 1
+                targets = torch.tensor(req.prompt_token_ids[first:first + hi - lo])
+                req.prompt_logprob_chunks.append(
+                    token_logprobs(logits[lo:hi].cpu(), targets, req.params.prompt_logprobs or 0))
+            if s.start + s.num_new >= req.num_prompt_tokens:
+                done[req.request_id] = _concat(req.prompt_logprob_chunks, req.params.prompt_logprobs or 0)
+                req.prompt_logprob_chunks = []
+                req.prompt_logprobs_done = True
+        return done
+
+    # -- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "num_requests": len(self.requests),
+            "num_blocks": self.blocks.num_blocks,
+            "free_blocks": self.blocks.num_free_blocks,
+            "prefix_queries": self.blocks.stats.queries,
+            "prefix_hits": self.blocks.stats.hits,
+            "preemptions": self.scheduler.num_preemptions,
+            "chunked_prefills": self.scheduler.num_chunked_prefills,
+            **self.counters,
+        }
+
+
+class _RowPlan:
+    """Which rows of the packed batch need logits, and where they land in the kept logits."""
+
+    def __init__(self) -> None:
+        self.keep: list[int] = []
+        self.sample_rows: list[int] = []
+        self.prompt_rows: list[tuple[int, int]] = []  # per scheduled item, [lo, hi) of kept logits
+
+
+def _plan_rows(scheduled: list[Scheduled]) -> _RowPlan:
+    plan = _RowPlan()
+    offset = 0
+    for s in scheduled:
+        req = s.request
+        lo = len(plan.keep)
+        if not req.prompt_logprobs_done:
+            end = min(s.start + s.num_new, req.num_prompt_tokens - 1)
+            plan.keep.extend(range(offset, offset + max(0, end - s.start)))
+        plan.prompt_rows.append((lo, len(plan.keep)))
+        if s.samples:
+            plan.sample_rows.append(len(plan.keep))
+            plan.keep.append(offset + s.num_new - 1)
+        offset += s.num_new
+    plan.keep = np.asarray(plan.keep, dtype=np.int64)  # type: ignore[assignment]
+    return plan
+
+
+def _concat(chunks: list[TopLogprobs], k: int) -> TopLogprobs:
+    if not chunks:
+        return TopLogprobs(np.zeros(0, np.float32), np.zeros(0, np.int32),
+                           np.zeros((0, k), np.int32), np.zeros((0, k), np.float32))
+    return TopLogprobs(*(np.concatenate([getattr(c, f) for c in chunks]) for f in TopLogprobs._fields))
+
+
+def _merge_prompt_logprobs(rows: list[Row], done: dict[str, TopLogprobs]) -> list[Row]:
+    if not done:
+        return rows
+    by_id = {r.request_id: r for r in rows}
+    for rid, lps in done.items():
+        row = by_id.get(rid)
+        if row is None:
+            continue  # cannot happen: a prompt completes on a step that samples or finishes it
+        row.prompt_logprobs = lps
+    return rows

@@ -1,0 +1,69 @@
+"""The engine's view of one request: token ids, progress, blocks, sampling state."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from shared.messages import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Invariant: tokens [0, num_computed_tokens) have their KV in `block_ids`."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 owner: bytes = b"", arrival: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.owner = owner
+        self.arrival = arrival
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # hash chain over the full blocks of all_token_ids
+        self.num_published_blocks = 0  # leading blocks already in the prefix cache
+        self.status = Status.WAITING
+        self.num_cached_tokens = 0  # prefix-cache hit at the last admission
+        self.prompt_logprobs_done = params.prompt_logprobs is None
+        self.prompt_logprob_chunks: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def prefill_only(self) -> bool:
+        return self.params.max_tokens == 0
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: KV is gone; prompt + outputs are recomputed as one prompt."""
+        self.num_computed_tokens = 0
+        self.block_ids = []
+        self.num_published_blocks = 0
+        self.status = Status.WAITING
+        if not self.prompt_logprobs_done:
+            self.prompt_logprob_chunks = []

@@ -1,0 +1,130 @@
+"""Batched sampling and logprobs for one step.
+
+Logprobs are those of the model's raw distribution (log_softmax of the logits, before
+temperature, penalties or truncation), as OpenAI and vLLM report them, and are computed only
+for the rows that asked. Sampling uses the exponential-race form of the categorical draw
+(argmax p/q, q ~ Exp(1)); a request with a seed draws its q from its own generator, so its
+tokens do not depend on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from engine_core.request import Request
+
+_GREEDY_EPS = 1e-5
+
+
+class TopLogprobs(NamedTuple):
+    logprobs: np.ndarray  # float32 [n] logprob of each row's token
+    ranks: np.ndarray  # int32 [n] 1 = most likely
+    top_ids: np.ndarray  # int32 [n, k]
+    top_logprobs: np.ndarray  # float32 [n, k]
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: np.ndarray  # int64 [S]
+    logprob_rows: np.ndarray  # int64 indices of the rows with logprobs
+    logprobs: TopLogprobs | None
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> TopLogprobs:
+    """Logprob and rank of `tokens` under `logits` rows, plus each row's top-k."""
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen = lp.gather(1, tokens[:, None])
+    ranks = (lp > chosen).sum(-1) + 1
+    top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], tokens[:, None][:, :0])
+    return TopLogprobs(chosen[:, 0].numpy().astype(np.float32), ranks.numpy().astype(np.int32),
+                       top_ids.numpy().astype(np.int32), top_vals.numpy().astype(np.float32))
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: Sequence[int], vocab_size: int, seed: int = 0) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> SamplerOutput:
+        logits = logits.cpu()
+        processed = self._process(logits, reqs)
+        tokens = self._draw(processed, reqs)
+        rows = np.array([i for i, r in enumerate(reqs) if r.params.logprobs is not None], dtype=np.int64)
+        top = None
+        if len(rows):
+            k = max(reqs[i].params.logprobs or 0 for i in rows)
+            idx = torch.from_numpy(rows)
+            top = token_logprobs(logits[idx], tokens[idx], k)
+        return SamplerOutput(tokens.numpy(), rows, top)
+
+    def _process(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+        """Bias, min_tokens and penalties; copies the logits only when something applies."""
+        out = logits
+        for i, req in enumerate(reqs):
+            p = req.params
+            touched = (p.logit_bias or req.num_output_tokens < p.min_tokens
+                       or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
+            if not touched:
+                continue
+            if out is logits:
+                out = logits.clone()
+            self._process_row(out[i], req)
+        return out
+
+    def _process_row(self, row: torch.Tensor, req: Request) -> None:
+        p = req.params
+        if p.logit_bias:
+            ids = torch.tensor([t for t in p.logit_bias if 0 <= t < row.shape[0]], dtype=torch.long)
+            vals = torch.tensor([p.logit_bias[int(t)] for t in ids], dtype=row.dtype)
+            row.index_add_(0, ids, vals)
+        if req.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+            row[[t for t in banned if t < row.shape[0]]] = -float("inf")
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+            ids, counts = torch.tensor(req.output_token_ids).unique(return_counts=True)
+            row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+
+    def _draw(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
+        greedy = temps < _GREEDY_EPS
+        tokens = logits.argmax(-1)
+        if bool(greedy.all()):
+            return tokens
+        rand = torch.nonzero(~greedy)[:, 0]
+        sub = [reqs[int(i)] for i in rand]
+        probs = _truncated_probs(logits[rand] / temps[rand, None], sub)
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for j, req in enumerate(sub):
+            if req.generator is not None:
+                q[j].exponential_(generator=req.generator)
+        tokens[rand] = (probs / q).argmax(-1)
+        return tokens
+
+
+def _truncated_probs(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Softmax after top-k, top-p and min-p truncation (each row its own settings)."""
+    top_k = [r.params.top_k for r in reqs]
+    if any(0 < k < logits.shape[1] for k in top_k):
+        ks = torch.tensor([k if 0 < k < logits.shape[1] else logits.shape[1] for k in top_k])
+        sorted_desc = logits.sort(dim=-1, descending=True).values
+        kth = sorted_desc.gather(1, (ks - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    probs = logits.softmax(-1)
+    top_p = torch.tensor([r.params.top_p for r in reqs], dtype=probs.dtype)
+    if bool((top_p < 1.0).any()):
+        sp, si = probs.sort(dim=-1, descending=True)
+        before = sp.cumsum(-1) - sp  # mass strictly above each token
+        drop = before >= top_p[:, None]
+        probs = probs.scatter(1, si, sp.masked_fill(drop, 0.0))
+    min_p = torch.tensor([r.params.min_p for r in reqs], dtype=probs.dtype)
+    if bool((min_p > 0).any()):
+        floor = probs.max(-1, keepdim=True).values * min_p[:, None]
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
