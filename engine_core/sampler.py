@@ -110,19 +110,23 @@ class Sampler:
 
 def _truncated_probs(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """Softmax after top-k, top-p and min-p truncation (each row its own settings)."""
-    top_k = [r.params.top_k for r in reqs]
-    if any(0 < k < logits.shape[1] for k in top_k):
-        ks = torch.tensor([k if 0 < k < logits.shape[1] else logits.shape[1] for k in top_k])
-        sorted_desc = logits.sort(dim=-1, descending=True).values
-        kth = sorted_desc.gather(1, (ks - 1)[:, None])
-        logits = logits.masked_fill(logits < kth, -float("inf"))
+    vocab = logits.shape[1]
+    rows = [i for i, r in enumerate(reqs) if 0 < r.params.top_k < vocab]
+    if rows:
+        idx = torch.tensor(rows)
+        ks = torch.tensor([reqs[i].params.top_k for i in rows])
+        top = logits[idx].topk(int(ks.max()), dim=-1).values  # cheaper than sorting the vocab
+        kth = top.gather(1, (ks - 1)[:, None])
+        logits = logits.clone()
+        logits[idx] = logits[idx].masked_fill(logits[idx] < kth, -float("inf"))
     probs = logits.softmax(-1)
     top_p = torch.tensor([r.params.top_p for r in reqs], dtype=probs.dtype)
-    if bool((top_p < 1.0).any()):
-        sp, si = probs.sort(dim=-1, descending=True)
+    p_rows = torch.nonzero(top_p < 1.0)[:, 0]
+    if len(p_rows):
+        sp, si = probs[p_rows].sort(dim=-1, descending=True)
         before = sp.cumsum(-1) - sp  # mass strictly above each token
-        drop = before >= top_p[:, None]
-        probs = probs.scatter(1, si, sp.masked_fill(drop, 0.0))
+        drop = before >= top_p[p_rows, None]
+        probs[p_rows] = torch.zeros_like(sp).scatter(1, si, sp.masked_fill(drop, 0.0))
     min_p = torch.tensor([r.params.min_p for r in reqs], dtype=probs.dtype)
     if bool((min_p > 0).any()):
         floor = probs.max(-1, keepdim=True).values * min_p[:, None]

@@ -1,0 +1,70 @@
+"""Start a real engine process and talk to it over a real ZeroMQ socket."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+from shared.messages import AddRequest, EngineOutput, Hello, Ready, SamplingParams, UtilityRequest, UtilityResult, ints
+from shared.transport import InputCodec, OutputCodec, configure, new_identity
+
+
+def start_engine(model: Path, address: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "engine_core", str(model), "--listen", address,
+                             "--num-threads", "1", "--log-level", "warning", *extra])
+
+
+class EngineConn:
+    """A blocking DEALER client for tests."""
+
+    def __init__(self, address: str, timeout_s: float = 60.0) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        configure(self.sock)
+        self.sock.setsockopt(zmq.IDENTITY, new_identity("test"))
+        self.sock.connect(address)
+        self.inp, self.out = InputCodec(), OutputCodec()
+        self.calls = itertools.count()
+        self.timeout_ms = int(timeout_s * 1000)
+
+    def send(self, msg) -> None:
+        self.sock.send(self.inp.encode(msg))
+
+    def recv(self) -> EngineOutput:
+        if not self.sock.poll(self.timeout_ms):
+            raise TimeoutError("engine did not answer")
+        return self.out.decode(self.sock.recv())
+
+    def hello(self) -> Ready:
+        self.send(Hello("test"))
+        msg = self.recv()
+        assert isinstance(msg, Ready)
+        return msg
+
+    def stats(self) -> dict:
+        call = next(self.calls)
+        self.send(UtilityRequest(call, "stats"))
+        while True:
+            msg = self.recv()
+            if isinstance(msg, UtilityResult) and msg.call_id == call:
+                return msg.result
+
+    def add(self, rid: str, prompt: list[int], **params) -> None:
+        self.send(AddRequest(rid, ints(prompt), SamplingParams(**params)))
+
+    def wait_drained(self, timeout_s: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            if stats["num_requests"] == 0 or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
