@@ -1,0 +1,93 @@
+"""Token strings for logprobs, following OpenAI's conventions.
+
+A token's string is its text as the tokenizer decodes it alone, special tokens included
+(e.g. "<｜end▁of▁sentence｜>"). A token that is not valid text on its own — one piece of a
+multi-byte UTF-8 character — is written "bytes:" followed by its raw bytes as literal
+lowercase `\\xNN` escapes, e.g. "bytes:\\xe4\\xbd". Token strings are never empty for tokens
+that carry bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SENTENCEPIECE_SPACE = "\u2581"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from each byte to a printable character (byte-level BPE)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+UNICODE_TO_BYTE: Mapping[str, int] = MappingProxyType(
+    {ch: b for b, ch in _bytes_to_unicode().items()}
+)
+
+
+def bytes_repr(raw: bytes) -> str:
+    """OpenAI's spelling of a token that is not text on its own: bytes:\\xNN\\xNN..."""
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def token_id_repr(token_id: int) -> str:
+    """The token string used with return_tokens_as_token_ids."""
+    return f"token_id:{token_id}"
+
+
+class TokenTextCache:
+    """Per-tokenizer cache of logprob token strings; share one across requests.
+
+    Entries never change for a given tokenizer, so the cache is a plain dict bounded by the
+    vocabulary size.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._byte_level = backend is not None and "ByteLevel" in str(backend.decoder)
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self._added_ids = frozenset(added)
+        self._cache: dict[int, str] = {}
+
+    def get(self, token_id: int) -> str:
+        """The logprob string of `token_id` (decoded alone, or bytes:... when not text)."""
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._compute(token_id)
+            self._cache[token_id] = text
+        return text
+
+    def _compute(self, token_id: int) -> str:
+        text: str = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        if token_id in self._added_ids or (text and "\ufffd" not in text):
+            return text
+        raw = self.raw_bytes(token_id)
+        if not raw:
+            return text
+        try:
+            return raw.decode("utf-8")  # e.g. the token for U+FFFD itself, or "▁" alone
+        except UnicodeDecodeError:
+            return bytes_repr(raw)
+
+    def raw_bytes(self, token_id: int) -> bytes | None:
+        """The bytes a vocabulary token stands for, or None when they cannot be told."""
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):
+            return None
+        if self._byte_level and all(ch in UNICODE_TO_BYTE for ch in piece):
+            return bytes(UNICODE_TO_BYTE[ch] for ch in piece)
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        return piece.replace(_SENTENCEPIECE_SPACE, " ").encode("utf-8")
