@@ -1,0 +1,277 @@
+"""Per-choice output processing: token ids and logprobs in, client deltas out.
+
+One ChoiceProcessor per choice (n>1 means n processors). Let `full` be the concatenation of every
+delta's `text` (echoed prompt included). Invariants, whatever the grouping of steps:
+
+- generated text == tokenizer.decode(generated ids, skip_special_tokens=...), cut at a stop
+  string; the terminating token (EOS or a stop_token_ids token, the final token of a "stop"
+  finish) adds no text unless include_stop_str_in_output;
+- text_offset[k] is where token k's text starts in `full`, clamped to len(full) when a stop
+  string cut the text; offsets never decrease, the first is 0 with echo; a token that is only
+  part of a character owns no characters, the token completing it owns all of it;
+- a token's entry (token id, logprob entry) is released in the delta that releases the first of
+  its text, or text after it, or at finish: no delta carries entries without text except the
+  last one;
+- merging every delta in order (`merge_deltas`) gives the non-streaming answer.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.logprob_text import TokenTextCache, token_id_repr
+from frontend.stop_strings import StopStringChecker
+
+__all__ = [
+    "ChoiceDelta",
+    "ChoiceProcessor",
+    "OutputOptions",
+    "PromptLogprobsView",
+    "TokenLogprob",
+    "TokenTextCache",
+    "merge_deltas",
+]
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    echo: bool = False
+    logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token + top-k
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice gained since the previous call."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # generated ids released with this delta
+    tokens: list[str] = field(default_factory=list)  # filled only when logprobs were asked
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
+    stop_reason: str | int | None = None  # the matched stop string, or the stop token id
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing worth sending: no text, no entries, no finish."""
+        no_entries = not self.token_ids and not self.tokens
+        return not self.text and no_entries and self.finish_reason is None
+
+
+class TokenLogprob(NamedTuple):
+    """The engine's logprobs for one sampled token."""
+
+    logprob: float
+    rank: int
+    top_ids: Sequence[int]
+    top_logprobs: Sequence[float]
+
+
+class PromptLogprobsView(NamedTuple):
+    """Logprobs of prompt tokens 1..P-1 (token 0 has none)."""
+
+    logprobs: Sequence[float]
+    ranks: Sequence[int]
+    top_ids: Sequence[Sequence[int]]
+    top_logprobs: Sequence[Sequence[float]]
+
+
+class _Entry(NamedTuple):
+    token_id: int
+    generated: bool
+    offset: int  # where the token's text starts in `full` (before any clamping)
+    token: str | None  # None when logprobs were not asked
+    logprob: float | None
+    top: dict[str, float] | None
+
+
+class ChoiceProcessor:
+    """Turns one choice's engine steps into deltas of final text and logprob entries."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        options: OutputOptions,
+        token_text: TokenTextCache | None = None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._prompt_ids = list(prompt_token_ids)
+        self._options = options
+        self._token_text = token_text if token_text is not None else TokenTextCache(tokenizer)
+        self._detok = self._detokenizer(context_ids=self._prompt_ids)
+        self._stop = StopStringChecker(options.stop, options.include_stop_str_in_output)
+        self._produced = 0  # length of `full` had nothing been held back or cut
+        self._released = 0  # length of `full` so far (text handed out)
+        self._text_out: list[str] = []  # released text not yet returned in a delta
+        self._entries: deque[_Entry] = deque()  # entries waiting for their text
+        self._num_generated = 0
+        self._finish_reason: str | None = None
+        self._stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self._finish_reason is not None
+
+    @property
+    def stopped_by_string(self) -> bool:
+        """True once a stop string matched: the caller must abort the request in the engine."""
+        return self._stop.matched is not None
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Every token the engine produced for this choice up to its finish (EOS and tokens of
+        a stop string included), for usage.completion_tokens."""
+        return self._num_generated
+
+    def prompt(self, prompt_logprobs: PromptLogprobsView | None) -> ChoiceDelta:
+        """Call once, before any step. With echo: the prompt text and, when logprobs were
+        asked, one entry per prompt token (the first with logprob and top None)."""
+        if self._options.echo:
+            if self._options.logprobs is None:
+                self._emit(
+                    self._tokenizer.decode(
+                        self._prompt_ids,
+                        skip_special_tokens=self._options.skip_special_tokens,
+                        spaces_between_special_tokens=self._options.spaces_between_special_tokens,
+                    )
+                )
+            else:
+                self._echo_tokens(prompt_logprobs)
+            self._produced = self._released
+        return self._delta()
+
+    def _echo_tokens(self, view: PromptLogprobsView | None) -> None:
+        """The prompt decoded token by token, so that each token's offset is known."""
+        detok = self._detokenizer()
+        for i, token_id in enumerate(self._prompt_ids):
+            logprob = None if i == 0 or view is None else _prompt_logprob(view, i - 1)
+            released, text = self._released, detok.add(token_id)
+            self._queue(token_id, logprob, released + detok.last_token_start, False)
+            self._emit(text)
+        self._emit(detok.flush())
+
+    def _detokenizer(self, context_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self._tokenizer,
+            skip_special_tokens=self._options.skip_special_tokens,
+            spaces_between_special_tokens=self._options.spaces_between_special_tokens,
+            context_ids=context_ids,
+        )
+
+    def step(
+        self,
+        token_id: int | None,
+        logprob: TokenLogprob | None,
+        finish_reason: str | None,
+        stop_token_id: int | None = None,
+    ) -> ChoiceDelta:
+        """One engine step; `token_id` None means no token this step (possible with a finish).
+
+        A token arriving with finish_reason "stop" is the terminating token. Returns only text
+        that is final; after the choice finished, every call returns an empty delta.
+        """
+        if self.finished:
+            return ChoiceDelta()
+        if token_id is not None:
+            self._num_generated += 1
+            if finish_reason == "stop" and not self._options.include_stop_str_in_output:
+                self._generated_text(self._detok.flush())  # the terminator comes after it all
+                self._queue(token_id, logprob, self._produced, True)
+            else:
+                produced, text = self._produced, self._detok.add(token_id)
+                self._queue(token_id, logprob, produced + self._detok.last_token_start, True)
+                self._generated_text(text)
+        if self._stop.matched is None and finish_reason is not None:
+            self._generated_text(self._detok.flush())
+            self._emit(self._stop.flush())
+            if self._stop.matched is None:
+                self._finish_reason, self._stop_reason = finish_reason, stop_token_id
+        if self._stop.matched is not None:
+            self._finish_reason, self._stop_reason = "stop", self._stop.matched
+        return self._delta()
+
+    def _generated_text(self, text: str) -> None:
+        """Newly final generated text: through the stop strings, then out."""
+        if text and self._stop.matched is None:
+            self._produced += len(text)
+            self._emit(self._stop.feed(text).text)
+
+    def _emit(self, text: str) -> None:
+        """Hand `text` out: it ends `full` from now on."""
+        self._text_out.append(text)
+        self._released += len(text)
+
+    def _queue(
+        self, token_id: int, logprob: TokenLogprob | None, offset: int, generated: bool
+    ) -> None:
+        """Queue the token's entry; `offset` is where its text starts in `full`."""
+        if self._options.logprobs is None:
+            self._entries.append(_Entry(token_id, generated, offset, None, None, None))
+            return
+        token = self._token_string(token_id)
+        top = None if logprob is None else self._top_dict(token, logprob)
+        value = None if logprob is None else float(logprob.logprob)
+        self._entries.append(_Entry(token_id, generated, offset, token, value, top))
+
+    def _token_string(self, token_id: int) -> str:
+        if self._options.return_tokens_as_token_ids:
+            return token_id_repr(token_id)
+        return self._token_text.get(token_id)
+
+    def _top_dict(self, token: str, logprob: TokenLogprob) -> dict[str, float]:
+        k = self._options.logprobs or 0
+        top: dict[str, float] = {}
+        for token_id, value in zip(logprob.top_ids[:k], logprob.top_logprobs[:k]):
+            top.setdefault(self._token_string(int(token_id)), float(value))
+        top.setdefault(token, float(logprob.logprob))
+        return top
+
+    def _delta(self) -> ChoiceDelta:
+        """Collect released text and the entries it releases (all of them at finish)."""
+        delta = ChoiceDelta(text="".join(self._text_out))
+        self._text_out.clear()
+        while self._entries and (self.finished or self._entries[0].offset < self._released):
+            entry = self._entries.popleft()
+            if entry.generated:
+                delta.token_ids.append(entry.token_id)
+            if entry.token is not None:
+                delta.tokens.append(entry.token)
+                delta.token_logprobs.append(entry.logprob)
+                delta.top_logprobs.append(entry.top)
+                delta.text_offset.append(min(entry.offset, self._released))
+        delta.finish_reason, delta.stop_reason = self._finish_reason, self._stop_reason
+        return delta
+
+
+def _prompt_logprob(view: PromptLogprobsView, row: int) -> TokenLogprob:
+    return TokenLogprob(
+        view.logprobs[row], view.ranks[row], view.top_ids[row], view.top_logprobs[row]
+    )
+
+
+def merge_deltas(deltas: Iterable[ChoiceDelta]) -> ChoiceDelta:
+    """Concatenate a choice's deltas in order: the non-streaming answer."""
+    merged = ChoiceDelta()
+    parts: list[str] = []
+    for d in deltas:
+        parts.append(d.text)
+        merged.token_ids += d.token_ids
+        merged.tokens += d.tokens
+        merged.token_logprobs += d.token_logprobs
+        merged.top_logprobs += d.top_logprobs
+        merged.text_offset += d.text_offset
+        if d.finish_reason is not None:
+            merged.finish_reason, merged.stop_reason = d.finish_reason, d.stop_reason
+    merged.text = "".join(parts)
+    return merged
