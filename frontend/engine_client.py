@@ -1,0 +1,366 @@
+"""The frontend's connection to the engine core: one ZeroMQ DEALER, one routing task.
+
+`EngineClient.start()` connects, sends Hello and waits for Ready. From then on one background
+task decodes every engine frame and routes StepOutputs rows into per-request `OutputStream`s;
+a heartbeat task pings the engine every `heartbeat_interval` and, when nothing at all has been
+heard for `silence_timeout`, marks the engine unhealthy and fails every in-flight request with
+`EngineDeadError` (the HTTP layer answers 503). Hearing from the engine again marks it healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple, cast
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from frontend.output_processor import PromptLogprobsView, TokenLogprob
+from shared import messages as wire
+from shared.messages import as_floats, as_ints
+from shared.transport import InputCodec, OutputCodec, configure, new_identity
+
+logger = logging.getLogger(__name__)
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine did not answer the handshake."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped answering (or the client closed): in-flight requests cannot finish."""
+
+
+class UtilityError(RuntimeError):
+    """The engine answered a utility call with an error."""
+
+
+class StepItem(NamedTuple):
+    """What one engine step brought one request. Rows with nothing in them are not delivered."""
+
+    choice: int  # the caller's index for this request within its OutputStream
+    token_id: int | None  # None: no token sampled this step (prefill only, or finished)
+    logprob: TokenLogprob | None
+    prompt_logprobs: PromptLogprobsView | None  # once per request, when asked
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    stop_token_id: int | None = None
+    error: str | None = None  # the engine's message with finish_reason "error"
+
+
+class OutputStream:
+    """The outputs of one or more engine requests (e.g. the n choices of one HTTP request).
+
+    The routing task `put`s items; the consumer awaits `get()`, which returns every pending
+    item at once (so a slow consumer catches up in one wake-up), `[]` once every request of the
+    stream has finished or been aborted, and raises EngineDeadError if the engine died
+    (`async for item in stream` does the same item by item).
+    """
+
+    def __init__(self) -> None:
+        self._items: deque[StepItem] = deque()
+        self._open: set[str] = set()
+        self._event = asyncio.Event()
+        self._error: Exception | None = None
+
+    @property
+    def unfinished(self) -> list[str]:
+        """Request ids that have neither finished nor been aborted."""
+        return list(self._open)
+
+    def open(self, request_id: str) -> None:
+        self._open.add(request_id)
+
+    def close(self, request_id: str) -> None:
+        self._open.discard(request_id)
+        self._event.set()
+
+    def put(self, request_id: str, item: StepItem) -> None:
+        self._items.append(item)
+        if item.finish_reason is not None:
+            self._open.discard(request_id)
+        self._event.set()
+
+    def fail(self, exc: Exception) -> None:
+        self._error = exc
+        self._open.clear()
+        self._event.set()
+
+    async def get(self) -> list[StepItem]:
+        while not self._items and self._open and self._error is None:
+            self._event.clear()
+            await self._event.wait()
+        if self._items:
+            items = list(self._items)
+            self._items.clear()
+            return items
+        if self._error is not None:
+            raise self._error
+        return []
+
+    async def __aiter__(self) -> AsyncIterator[StepItem]:
+        """Item by item, until every request of the stream is done."""
+        while batch := await self.get():
+            for item in batch:
+                yield item
+
+
+def row_logprobs(out: wire.StepOutputs) -> list[TokenLogprob | None] | None:
+    """Per-row sampled-token logprobs from the columnar arrays (None: no row has any)."""
+    if not out.lp_k:
+        return None
+    ks = as_ints(out.lp_k).tolist()
+    ends = np.cumsum(np.maximum(as_ints(out.lp_k), 0)).tolist()
+    sampled, ranks = as_floats(out.lp_sampled).tolist(), as_ints(out.lp_rank).tolist()
+    ids, vals = as_ints(out.lp_top_ids).tolist(), as_floats(out.lp_top_vals).tolist()
+    starts = [0, *ends[:-1]]
+    return [
+        None if k < 0 else TokenLogprob(sampled[i], ranks[i], ids[a:b], vals[a:b])
+        for i, (k, a, b) in enumerate(zip(ks, starts, ends))
+    ]
+
+
+def prompt_logprobs_view(plp: wire.PromptLogprobs) -> PromptLogprobsView:
+    """Prompt tokens 1..P-1: their logprobs, ranks and top-k, as nested lists."""
+    logprobs = as_floats(plp.logprobs)
+    shape = (len(logprobs), plp.k)
+    top_ids = as_ints(plp.top_ids).reshape(shape) if plp.k else np.zeros(shape, np.int32)
+    top_vals = as_floats(plp.top_logprobs).reshape(shape) if plp.k else np.zeros(shape, np.float32)
+    ranks = as_ints(plp.ranks).tolist()
+    return PromptLogprobsView(logprobs.tolist(), ranks, top_ids.tolist(), top_vals.tolist())
+
+
+class EngineClient:
+    """Async client of one engine core; create, `await start()`, use, `await close()`."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        handshake_timeout: float = 30.0,
+        heartbeat_interval: float = 0.5,
+        silence_timeout: float = 2.0,
+    ) -> None:
+        self.address = address
+        self.identity = new_identity()
+        self._handshake_timeout = handshake_timeout
+        self._heartbeat_interval = heartbeat_interval
+        self._silence_timeout = silence_timeout
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._in = InputCodec()
+        self._out = OutputCodec()
+        self._requests: dict[str, tuple[OutputStream, int]] = {}
+        self._calls: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._call_ids = itertools.count()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._unanswered_since: float | None = None
+        self._healthy = False
+        self._ready: wire.Ready | None = None
+
+    @property
+    def ready(self) -> wire.Ready:
+        """The engine's model facts (available after `start()`)."""
+        if self._ready is None:
+            raise RuntimeError("EngineClient.start() has not completed")
+        return self._ready
+
+    @property
+    def healthy(self) -> bool:
+        """True while the engine answers within `silence_timeout`."""
+        return self._healthy
+
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests sent and not yet finished or aborted."""
+        return len(self._requests)
+
+    async def start(self) -> wire.Ready:
+        """Connect, say Hello and wait for Ready; raises EngineUnavailableError on timeout."""
+        self._sock.setsockopt(zmq.IDENTITY, self.identity)
+        configure(self._sock)
+        self._sock.connect(self.address)
+        self._send(wire.Hello(client_id=self.identity.decode()))
+        try:
+            self._ready = await asyncio.wait_for(self._await_ready(), self._handshake_timeout)
+        except TimeoutError:
+            self._close_socket()
+            raise EngineUnavailableError(
+                f"No answer from the engine at {self.address} within "
+                f"{self._handshake_timeout:g} s (sent HELLO, expected READY). "
+                "Is the engine running and listening on that address?"
+            ) from None
+        self._heard()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._recv_loop()), loop.create_task(self._heartbeat())]
+        return self._ready
+
+    async def close(self) -> None:
+        """Abort what is still running, fail its streams, stop the tasks, close the socket."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._requests and self._healthy:
+            self._send(wire.AbortRequest(list(self._requests)))
+        self._fail_all(EngineDeadError("the frontend is shutting down"))
+        self._close_socket()
+
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: wire.SamplingParams,
+        stream: OutputStream | None = None,
+        choice: int = 0,
+    ) -> OutputStream:
+        """Send one engine request; its outputs go to `stream` (a new one if None), tagged
+        `choice`. Raises EngineDeadError while the engine is not answering."""
+        if not self._healthy:
+            raise EngineDeadError("the engine is not answering")
+        stream = stream if stream is not None else OutputStream()
+        stream.open(request_id)
+        self._requests[request_id] = (stream, choice)
+        self._send(wire.AddRequest(request_id, wire.ints(prompt_token_ids), params))
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests in the engine now; their streams get nothing more."""
+        if not request_ids:
+            return
+        for rid in request_ids:
+            entry = self._requests.pop(rid, None)
+            if entry is not None:
+                entry[0].close(rid)
+        self._send(wire.AbortRequest(list(request_ids)))
+
+    async def call_utility(self, method: str, timeout: float = 5.0) -> dict[str, Any]:
+        """Ask the engine for "stats" or "ping"; raises UtilityError, EngineDeadError, TimeoutError."""
+        if not self._healthy:
+            raise EngineDeadError("the engine is not answering")
+        call_id = next(self._call_ids)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        try:
+            self._send(wire.UtilityRequest(call_id, method))
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _send(self, msg: wire.EngineInput) -> None:
+        # HWM is 0 (unbounded), so the send completes at once; the future needs no await.
+        self._sock.send(self._in.encode(msg))
+
+    async def _await_ready(self) -> wire.Ready:
+        while True:
+            msg = self._decode(await self._sock.recv())
+            if isinstance(msg, wire.Ready):
+                return msg
+
+    def _decode(self, frame: bytes) -> wire.EngineOutput | None:
+        try:
+            return self._out.decode(frame)
+        except msgspec.DecodeError:
+            logger.warning("dropped an engine frame that does not decode (%d bytes)", len(frame))
+            return None
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = self._decode(await self._sock.recv())
+            self._heard()
+            try:
+                if isinstance(msg, wire.StepOutputs):
+                    self._route(msg)
+                elif isinstance(msg, wire.UtilityResult):
+                    self._resolve_call(msg)
+            except Exception:  # one bad message must not stop the routing of all others
+                logger.exception("failed to route an engine message")
+
+    def _route(self, out: wire.StepOutputs) -> None:
+        tokens = as_ints(out.token_ids).tolist()
+        logprobs = row_logprobs(out)
+        prompts = {p.index: p for p in out.prompt_logprobs}
+        finished = {f.index: f for f in out.finished}
+        for row, rid in enumerate(out.req_ids):
+            entry = self._requests.get(rid)
+            fin = finished.get(row)
+            plp = prompts.get(row)
+            if entry is None or (tokens[row] < 0 and fin is None and plp is None):
+                continue
+            stream, choice = entry
+            token = tokens[row] if tokens[row] >= 0 else None
+            logprob = logprobs[row] if logprobs is not None and token is not None else None
+            view = prompt_logprobs_view(plp) if plp is not None else None
+            if fin is None:
+                stream.put(rid, StepItem(choice, token, logprob, view, None))
+                continue
+            item = StepItem(
+                choice, token, logprob, view, fin.reason, fin.stop_token_id, fin.message
+            )
+            stream.put(rid, item)
+            del self._requests[rid]
+
+    def _resolve_call(self, result: wire.UtilityResult) -> None:
+        future = self._calls.get(result.call_id)
+        if future is None or future.done():
+            return
+        if result.error is not None:
+            future.set_exception(UtilityError(result.error))
+        else:
+            future.set_result(result.result)
+
+    def _heard(self) -> None:
+        self._unanswered_since = None
+        if not self._healthy:
+            if self._tasks:
+                logger.warning("the engine at %s is answering again", self.address)
+            self._healthy = True
+
+    async def _heartbeat(self) -> None:
+        """Ping every interval; dead when a ping stays unanswered for `silence_timeout`.
+
+        Silence is counted from the first unanswered ping, not from the last message: if this
+        process stalls (a long GIL-holding call), it sent no pings, so the engine owed nothing.
+        An answer already waiting in the socket counts as heard.
+        """
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._heartbeat_interval)
+            now = loop.time()
+            waited = 0.0 if self._unanswered_since is None else now - self._unanswered_since
+            readable = cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN
+            if self._healthy and waited > self._silence_timeout and not readable:
+                self._mark_dead(waited)
+            if self._unanswered_since is None:
+                self._unanswered_since = now
+            self._send(wire.UtilityRequest(next(self._call_ids), "ping"))
+
+    def _mark_dead(self, silent: float) -> None:
+        logger.error("the engine at %s has not answered for %.1f s", self.address, silent)
+        self._healthy = False
+        ids = list(self._requests)
+        self._fail_all(
+            EngineDeadError(f"the engine stopped answering (no reply for {silent:.1f} s)")
+        )
+        if ids:  # in case it is only slow: do not leave work running there
+            self._send(wire.AbortRequest(ids))
+
+    def _fail_all(self, exc: Exception) -> None:
+        for stream, _ in self._requests.values():
+            stream.fail(exc)
+        self._requests.clear()
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(exc)
+
+    def _close_socket(self) -> None:
+        # A live engine still gets the last aborts; a dead one must not delay the exit.
+        self._sock.close(linger=200 if self._healthy else 0)
+        self._healthy = False
+        self._ctx.term()

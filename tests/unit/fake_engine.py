@@ -1,0 +1,232 @@
+"""A fake engine core for frontend tests: a real ZeroMQ ROUTER in a thread, no model.
+
+It answers Hello with Ready, ping/stats utilities, and "generates" deterministically: token k
+of a request is its prompt's token k (BOS left out), cycling, one token per step, with fake
+logprobs (the sampled token first in its top-k, rank 1). It honours max_tokens (0: prefill
+only, finish "length", prompt logprobs if asked), stop_token_ids, EOS unless ignore_eos, and
+aborts; prompts longer than `error_prompt_len` finish with "error". `stop()` kills it
+(silence, as a dead process would be); `added`/`aborted` record what the frontend sent.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from shared.messages import (
+    AbortRequest,
+    AddRequest,
+    Finished,
+    Hello,
+    PromptLogprobs,
+    Ready,
+    StepOutputs,
+    UtilityRequest,
+    UtilityResult,
+    as_ints,
+    floats,
+    ints,
+)
+from shared.transport import InputCodec, OutputCodec, configure
+
+BOS = 128000
+EOS = 128001
+
+
+@lru_cache(maxsize=1)
+def tokenizer_folder() -> str:
+    """The default model's tokenizer, written once per test session."""
+    from engine_core.default_model import DEFAULT, write_tokenizer
+
+    folder = Path(tempfile.mkdtemp(prefix="tandem-tok-"))
+    write_tokenizer(DEFAULT, folder)
+    return str(folder)
+
+
+@lru_cache(maxsize=4)
+def cached_tokenizer(path: str) -> Any:
+    """A tokenizer loader for init_app that loads each folder once per session."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def frontend_config(engine: FakeEngine, **overrides: Any) -> Any:
+    """A FrontendConfig for `engine` with quick liveness checks, for aiohttp_client tests."""
+    from frontend.server import FrontendConfig
+
+    settings = {"heartbeat_interval": 0.1, "silence_timeout": 0.5, "handshake_timeout": 5.0}
+    return FrontendConfig(engine_address=engine.address, **(settings | overrides))
+
+
+@dataclass
+class _Running:
+    identity: bytes
+    add: AddRequest
+    source: list[int]
+    generated: int = 0
+    started: bool = False
+
+
+@dataclass
+class _Step:
+    req_ids: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    lp_k: list[int] = field(default_factory=list)
+    lp_sampled: list[float] = field(default_factory=list)
+    lp_top_ids: list[int] = field(default_factory=list)
+    lp_top_vals: list[float] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    finished: list[Finished] = field(default_factory=list)
+
+    def message(self) -> StepOutputs:
+        has_lp = any(k >= 0 for k in self.lp_k)
+        return StepOutputs(
+            req_ids=self.req_ids,
+            token_ids=ints(self.tokens),
+            lp_k=ints(self.lp_k) if has_lp else b"",
+            lp_sampled=floats(self.lp_sampled) if has_lp else b"",
+            lp_rank=ints([1] * len(self.lp_k)) if has_lp else b"",
+            lp_top_ids=ints(self.lp_top_ids),
+            lp_top_vals=floats(self.lp_top_vals),
+            prompt_logprobs=self.prompt_logprobs,
+            finished=self.finished,
+        )
+
+
+class FakeEngine:
+    def __init__(
+        self,
+        *,
+        max_model_len: int = 256,
+        step_delay: float = 0.002,
+        error_prompt_len: int | None = None,
+        model: str = "fake-model",
+    ) -> None:
+        self.ready = Ready(model, tokenizer_folder(), max_model_len, 128256, [EOS], BOS, 1)
+        self.step_delay = step_delay
+        self.error_prompt_len = error_prompt_len
+        self.added: list[AddRequest] = []
+        self.aborted: list[str] = []
+        self.running: dict[str, _Running] = {}
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        configure(self._sock)
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._in, self._out = InputCodec(), OutputCodec()
+
+    def start(self) -> FakeEngine:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Go silent at once, like a killed process."""
+        self._stopping.set()
+        self._thread.join()
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            if self._sock.poll(int(self.step_delay * 1000) or 1):
+                while self._sock.poll(0):
+                    identity, frame = self._sock.recv_multipart()
+                    self._handle(identity, self._in.decode(frame))
+            if self.running:
+                self._step()
+                time.sleep(self.step_delay)
+
+    def _send(self, identity: bytes, msg: Any) -> None:
+        self._sock.send_multipart([identity, self._out.encode(msg)])
+
+    def _handle(self, identity: bytes, msg: Any) -> None:
+        if isinstance(msg, Hello):
+            self._send(identity, self.ready)
+        elif isinstance(msg, AddRequest):
+            self.added.append(msg)
+            prompt = as_ints(msg.prompt_token_ids).tolist()
+            source = [t for t in prompt if t != BOS] or prompt
+            self.running[msg.request_id] = _Running(identity, msg, source)
+        elif isinstance(msg, AbortRequest):
+            self.aborted.extend(msg.request_ids)
+            for rid in msg.request_ids:
+                self.running.pop(rid, None)
+        elif isinstance(msg, UtilityRequest):
+            result = {"running": len(self.running), "aborted": len(self.aborted)}
+            if msg.method not in ("ping", "stats"):
+                self._send(identity, UtilityResult(msg.call_id, error=f"unknown {msg.method}"))
+            else:
+                self._send(
+                    identity, UtilityResult(msg.call_id, result if msg.method == "stats" else {})
+                )
+
+    def _step(self) -> None:
+        steps: dict[bytes, _Step] = {}
+        for rid, req in list(self.running.items()):
+            step = steps.setdefault(req.identity, _Step())
+            row = len(step.req_ids)
+            step.req_ids.append(rid)
+            finish = self._advance(req, step, row)
+            if finish is not None:
+                step.finished.append(finish)
+                del self.running[rid]
+        for identity, step in steps.items():
+            self._send(identity, step.message())
+
+    def _advance(self, req: _Running, step: _Step, row: int) -> Finished | None:
+        params = req.add.params
+        prompt_len = len(as_ints(req.add.prompt_token_ids))
+        if not req.started and params.prompt_logprobs is not None:
+            step.prompt_logprobs.append(fake_prompt_logprobs(req.add, row))
+        req.started = True
+        if self.error_prompt_len is not None and prompt_len > self.error_prompt_len:
+            self._no_token(step)
+            return Finished(row, "error", message=f"prompt of {prompt_len} tokens can never fit")
+        if params.max_tokens == 0:
+            self._no_token(step)
+            return Finished(row, "length")
+        token = req.source[req.generated % len(req.source)]
+        req.generated += 1
+        step.tokens.append(token)
+        k = -1 if params.logprobs is None else params.logprobs
+        step.lp_k.append(k)
+        step.lp_sampled.append(-0.25 * (req.generated % 4) if k >= 0 else 0.0)
+        step.lp_top_ids.extend((token + j) % 128000 for j in range(max(k, 0)))
+        step.lp_top_vals.extend(-0.25 * (req.generated % 4) - j for j in range(max(k, 0)))
+        if token in params.stop_token_ids:
+            return Finished(row, "stop", stop_token_id=token)
+        if token == EOS and not params.ignore_eos:
+            return Finished(row, "stop")
+        return Finished(row, "length") if req.generated >= params.max_tokens else None
+
+    @staticmethod
+    def _no_token(step: _Step) -> None:
+        step.tokens.append(-1)
+        step.lp_k.append(-1)
+        step.lp_sampled.append(0.0)
+
+
+def fake_prompt_logprobs(add: AddRequest, row: int) -> PromptLogprobs:
+    """Prompt token i (1..P-1) gets logprob -i/10, rank 1, top-k led by the token itself."""
+    prompt = as_ints(add.prompt_token_ids).tolist()[1:]
+    k = add.params.prompt_logprobs or 0
+    top_ids = [(t + j) % 128000 for t in prompt for j in range(k)]
+    top_vals = [-(i + 1) / 10 - j for i in range(len(prompt)) for j in range(k)]
+    return PromptLogprobs(
+        row,
+        floats([-(i + 1) / 10 for i in range(len(prompt))]),
+        ints([1] * len(prompt)),
+        k,
+        ints(top_ids),
+        floats(top_vals),
+    )
