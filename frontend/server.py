@@ -1,0 +1,228 @@
+"""The frontend process: an aiohttp app speaking OpenAI's HTTP API to one engine core.
+
+`init_app(config)` builds the app; its cleanup context connects the EngineClient (Hello/Ready),
+loads the tokenizer the engine names, and closes everything on shutdown. `run_frontend(config)`
+serves it until SIGTERM/SIGINT, then stops accepting and gives in-flight requests
+`config.shutdown_grace` seconds to finish.
+
+    python -m frontend.server --engine tcp://127.0.0.1:5555 --host 0.0.0.0 --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import socket
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from functools import partial
+from importlib import metadata
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from frontend.engine_client import EngineClient, EngineUnavailableError
+from frontend.errors import Handler, OpenAIError, error_middleware
+from frontend.output_processor import TokenTextCache
+from frontend.protocol import ModelCard, ModelList
+from frontend.serving_completions import ServingCompletions
+
+logger = logging.getLogger(__name__)
+
+TokenizerLoader = Callable[[str], Any]
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    engine_address: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    reuse_port: bool = False
+    handshake_timeout: float = 30.0
+    heartbeat_interval: float = 0.5
+    silence_timeout: float = 2.0
+    shutdown_grace: float = 30.0
+    max_body_bytes: int = 64 * 2**20
+
+
+CONFIG = web.AppKey("config", FrontendConfig)
+ENGINE = web.AppKey("engine", EngineClient)
+COMPLETIONS = web.AppKey("completions", ServingCompletions)
+MODEL_NAME = web.AppKey("model_name", str)
+FRONTEND_ID = f"{socket.gethostname()}:{os.getpid()}"
+
+
+def load_tokenizer(name_or_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name_or_path)
+
+
+def init_app(
+    config: FrontendConfig, tokenizer_loader: TokenizerLoader = load_tokenizer
+) -> web.Application:
+    """The frontend app; the engine handshake happens at startup (in cleanup_ctx)."""
+    app = web.Application(
+        middlewares=[error_middleware, auth_middleware], client_max_size=config.max_body_bytes
+    )
+    app[CONFIG] = config
+    app.cleanup_ctx.append(partial(engine_context, tokenizer_loader=tokenizer_loader))
+    app.on_response_prepare.append(add_frontend_header)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    return app
+
+
+async def engine_context(
+    app: web.Application, tokenizer_loader: TokenizerLoader
+) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    client = EngineClient(
+        config.engine_address,
+        handshake_timeout=config.handshake_timeout,
+        heartbeat_interval=config.heartbeat_interval,
+        silence_timeout=config.silence_timeout,
+    )
+    ready = await client.start()
+    try:
+        tokenizer = await asyncio.get_running_loop().run_in_executor(
+            None, tokenizer_loader, ready.tokenizer
+        )
+        name = config.served_model_name or ready.model
+        app[ENGINE] = client
+        app[MODEL_NAME] = name
+        app[COMPLETIONS] = ServingCompletions(client, tokenizer, TokenTextCache(tokenizer), name)
+        logger.info(
+            "engine at %s ready: model %s, max_model_len %d",
+            config.engine_address,
+            ready.model,
+            ready.max_model_len,
+        )
+        yield
+    finally:
+        await client.close()
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Bearer check on /v1/* when an API key is configured; /health stays open."""
+    key = request.app[CONFIG].api_key
+    if key and request.path.startswith("/v1/"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise OpenAIError(
+                401,
+                "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                code="invalid_api_key",
+            )
+    return await handler(request)
+
+
+async def add_frontend_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["X-Tandem-Frontend"] = FRONTEND_ID
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[COMPLETIONS].handle(request)
+
+
+async def models(request: web.Request) -> web.Response:
+    name = request.app[MODEL_NAME]
+    card = ModelCard(id=name, root=name, max_model_len=request.app[ENGINE].ready.max_model_len)
+    return json_response(ModelList([card]))
+
+
+async def health(request: web.Request) -> web.Response:
+    if request.app[ENGINE].healthy:
+        return web.Response(status=200)
+    return OpenAIError(503, "The engine is not answering.").to_response()
+
+
+async def version(request: web.Request) -> web.Response:
+    try:
+        number = metadata.version("tandem-serve")
+    except metadata.PackageNotFoundError:
+        number = "0.0.0+local"
+    return web.json_response({"version": number})
+
+
+def json_response(payload: Any) -> web.Response:
+    return web.Response(body=msgspec.json.encode(payload), content_type="application/json")
+
+
+async def serve(config: FrontendConfig) -> None:
+    """Serve until SIGTERM/SIGINT; then stop accepting and let in-flight requests finish."""
+    runner = web.AppRunner(
+        init_app(config), handler_cancellation=True, shutdown_timeout=config.shutdown_grace
+    )
+    await runner.setup()  # connects to the engine; raises if it does not answer
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port)
+        await site.start()
+        logger.info("frontend %s serving on http://%s:%d", FRONTEND_ID, config.host, config.port)
+        await stop.wait()
+        logger.info("shutting down: no new connections, %g s grace", config.shutdown_grace)
+    finally:
+        await runner.cleanup()
+
+
+def run_frontend(config: FrontendConfig) -> None:
+    asyncio.run(serve(config))
+
+
+def parse_args(argv: list[str] | None = None) -> FrontendConfig:
+    parser = argparse.ArgumentParser(description="Tandem OpenAI-compatible frontend process.")
+    parser.add_argument("--engine", required=True, help="engine address, tcp://H:P or ipc://PATH")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"))
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT (many frontends)")
+    parser.add_argument("--handshake-timeout", type=float, default=30.0)
+    parser.add_argument("--shutdown-grace", type=float, default=30.0)
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    args = parser.parse_args(argv)
+    logging.getLogger().setLevel(args.log_level.upper())
+    return FrontendConfig(
+        engine_address=args.engine,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        reuse_port=args.reuse_port,
+        handshake_timeout=args.handshake_timeout,
+        shutdown_grace=args.shutdown_grace,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s frontend[{os.getpid()}] %(levelname)s %(name)s: %(message)s",
+    )
+    config = parse_args(argv)
+    try:
+        run_frontend(config)
+    except (EngineUnavailableError, OSError) as exc:  # startup failures: one clear line
+        logger.error("frontend failed: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
