@@ -21,6 +21,7 @@ from shared.engine_args import add_engine_args, engine_argv
 from shared.messages import Hello, Ready
 from shared.transport import InputCodec, OutputCodec, configure, new_identity
 
+ENGINE_DEATH_NOTICE_S = 2.5
 SERVE_HELP = """Serve MODEL over the OpenAI API: one engine process and --api-server-count
 frontend processes sharing one port. Without MODEL, the embedded tiny Llama (built offline on
 first use into $TANDEM_CACHE or ~/.cache/tandem)."""
@@ -70,6 +71,7 @@ class Launcher:
         self.engine: subprocess.Popen[bytes] | None = None
         self.frontends: list[subprocess.Popen[bytes]] = []
         self.stop_signal: int | None = None
+        self.grace = args.shutdown_grace
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -79,7 +81,9 @@ class Launcher:
             ready = self._wait_ready()
             if ready is None:
                 return 1
-            self.frontends = [self._start_frontend() for _ in range(self.args.api_server_count)]
+            self.frontends = [self._start_frontend(i) for i in range(self.args.api_server_count)]
+            if not self._wait_frontends():
+                return 1
             print(f"tandem: serving {ready.model!r} on http://{self.args.host}:{self.args.port} "
                   f"({self.args.api_server_count} frontend(s), engine pid {self.engine.pid})", flush=True)
             return self._supervise()
@@ -95,8 +99,12 @@ class Launcher:
                "--listen", self.address, "--log-level", self.args.log_level, *engine_argv(self.args)]
         return subprocess.Popen(cmd, preexec_fn=_child_setup)
 
-    def _start_frontend(self) -> subprocess.Popen[bytes]:
+    def _ready_file(self, i: int) -> str:
+        return os.path.join(self.tmp.name, f"frontend-{i}.ready")
+
+    def _start_frontend(self, i: int) -> subprocess.Popen[bytes]:
         cmd = [sys.executable, "-m", "frontend.server", "--engine", self.address,
+               "--ready-file", self._ready_file(i),
                "--host", self.args.host, "--port", str(self.args.port), "--reuse-port",
                "--shutdown-grace", str(self.args.shutdown_grace), "--log-level", self.args.log_level]
         env = dict(os.environ)
@@ -131,20 +139,42 @@ class Launcher:
             sock.close()
             ctx.term()
 
+    def _wait_frontends(self, timeout_s: float = 120.0) -> bool:
+        """Until every frontend listens, so the first client may reach any of them."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.stop_signal is None:
+            if self._dead_child() is not None:
+                return False
+            if all(os.path.exists(self._ready_file(i)) for i in range(len(self.frontends))):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def _dead_child(self) -> subprocess.Popen[bytes] | None:
+        for proc in [self.engine, *self.frontends]:
+            if proc is not None and proc.poll() is not None:
+                role = "engine" if proc is self.engine else "frontend"
+                print(f"tandem: the {role} process {proc.pid} exited with code {proc.returncode}; "
+                      "stopping everything", file=sys.stderr)
+                return proc
+        return None
+
     def _supervise(self) -> int:
         while self.stop_signal is None:
-            for proc in [self.engine, *self.frontends]:
-                if proc is not None and proc.poll() is not None:
-                    role = "engine" if proc is self.engine else "frontend"
-                    print(f"tandem: the {role} process {proc.pid} exited with code {proc.returncode}; "
-                          "stopping everything", file=sys.stderr)
-                    return 1
+            dead = self._dead_child()
+            if dead is self.engine:
+                # Frontends notice within 2 s: they fail in-flight requests and turn /health to
+                # 503, so clients and probes see why. Then everything stops (exit within 5 s).
+                time.sleep(ENGINE_DEATH_NOTICE_S)
+                self.grace = 1.0
+            if dead is not None:
+                return 1
             time.sleep(0.1)
         return 0
 
     def _stop_all(self) -> None:
         """Frontends first (they drain in-flight requests within the grace period), then the engine."""
-        _terminate(self.frontends, self.args.shutdown_grace + 5)
+        _terminate(self.frontends, self.grace + 5)
         _terminate([self.engine] if self.engine else [], 10)
 
 

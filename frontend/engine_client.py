@@ -143,8 +143,8 @@ class EngineClient:
         address: str,
         *,
         handshake_timeout: float = 30.0,
-        heartbeat_interval: float = 0.5,
-        silence_timeout: float = 2.0,
+        heartbeat_interval: float = 0.25,
+        silence_timeout: float = 1.25,
     ) -> None:
         self.address = address
         self.identity = new_identity()

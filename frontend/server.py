@@ -46,10 +46,11 @@ class FrontendConfig:
     served_model_name: str | None = None
     reuse_port: bool = False
     handshake_timeout: float = 30.0
-    heartbeat_interval: float = 0.5
-    silence_timeout: float = 2.0
+    heartbeat_interval: float = 0.25
+    silence_timeout: float = 1.25  # with the ping spacing: a dead engine shows within 2 s
     shutdown_grace: float = 30.0
     max_body_bytes: int = 64 * 2**20
+    ready_file: str | None = None  # touched once listening (the launcher waits for it)
 
 
 CONFIG = web.AppKey("config", FrontendConfig)
@@ -173,6 +174,9 @@ async def serve(config: FrontendConfig) -> None:
         site = web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port)
         await site.start()
         logger.info("frontend %s serving on http://%s:%d", FRONTEND_ID, config.host, config.port)
+        if config.ready_file:
+            with open(config.ready_file, "w") as f:
+                f.write(FRONTEND_ID)
         await stop.wait()
         logger.info("shutting down: no new connections, %g s grace", config.shutdown_grace)
     finally:
@@ -193,6 +197,7 @@ def parse_args(argv: list[str] | None = None) -> FrontendConfig:
     parser.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT (many frontends)")
     parser.add_argument("--handshake-timeout", type=float, default=30.0)
     parser.add_argument("--shutdown-grace", type=float, default=30.0)
+    parser.add_argument("--ready-file", default=None, help="file to create once listening")
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
@@ -207,6 +212,7 @@ def parse_args(argv: list[str] | None = None) -> FrontendConfig:
         reuse_port=args.reuse_port,
         handshake_timeout=args.handshake_timeout,
         shutdown_grace=args.shutdown_grace,
+        ready_file=args.ready_file,
     )
 
 
