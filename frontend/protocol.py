@@ -9,7 +9,7 @@ rule. ErrorResponse (the error body) lives with OpenAIError in frontend.errors.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -121,12 +121,19 @@ class ModelList(msgspec.Struct):
     object: Literal["list"] = "list"
 
 
-_request_decoder = msgspec.json.Decoder(CompletionRequest)
+def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """Decode and type-check a request body (raises msgspec.ValidationError / DecodeError).
+
+    An explicit JSON null means "the default", as OpenAI's API treats its nullable fields.
+    """
+    raw = msgspec.json.decode(body)
+    if not isinstance(raw, dict):
+        raise msgspec.ValidationError("the request body must be a JSON object")
+    return msgspec.convert({k: v for k, v in raw.items() if v is not None}, kind)
 
 
 def decode_completion_request(body: bytes) -> CompletionRequest:
-    """Decode and type-check a request body (raises msgspec.ValidationError / DecodeError)."""
-    return _request_decoder.decode(body)
+    return decode_request(body, CompletionRequest)  # type: ignore[no-any-return]
 
 
 def check_completion_request(req: CompletionRequest) -> None:

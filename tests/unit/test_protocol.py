@@ -160,3 +160,11 @@ def test_validation_error_names_the_field() -> None:
         decode_completion_request(b'{"prompt": "a", "n": -1}')
     error = from_validation_error(info.value)
     assert (error.status, error.param) == (400, "n") and "$.n" in error.message
+
+
+def test_explicit_nulls_mean_defaults() -> None:
+    req = decode_completion_request(
+        b'{"prompt": "hi", "temperature": null, "n": null, "top_p": null, "stop": null}')
+    assert (req.temperature, req.n, req.top_p, req.stop) == (1.0, 1, 1.0, None)
+    with pytest.raises(msgspec.ValidationError):
+        decode_completion_request(b'["not", "an", "object"]')
