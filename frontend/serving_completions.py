@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from frontend.engine_client import EngineClient, EngineDeadError, OutputStream, StepItem
+from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.errors import OpenAIError, bad_request
 from frontend.output_processor import (
     ChoiceDelta,
@@ -41,23 +41,14 @@ from frontend.protocol import (
     split_prompts,
     stop_strings,
 )
+from frontend.serving_common import (
+    ChoiceState,
+    EngineRequestError,
+    SSEWriter,
+    engine_error,
+    run_choices,
+)
 from shared.messages import SamplingParams
-
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-
-class EngineRequestError(Exception):
-    """The engine finished a request with "error" (e.g. it can never fit in the KV cache)."""
-
-
-@dataclass
-class ChoiceState:
-    index: int
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    processor: ChoiceProcessor
-    started: bool = False
 
 
 @dataclass
@@ -98,8 +89,13 @@ class ServingCompletions:
             return await self._stream(request, plan)
         return await self._complete(plan)
 
-    def plan(self, req: CompletionRequest) -> CompletionPlan:
-        """Validate against the model and build every choice; raises a 4xx OpenAIError."""
+    def plan(
+        self, req: CompletionRequest, options: OutputOptions | None = None, id_prefix: str = "cmpl"
+    ) -> CompletionPlan:
+        """Validate against the model and build every choice; raises a 4xx OpenAIError.
+
+        `options` replaces the output options the request implies (the chat API, which shapes
+        its own logprobs, plans its rendered prompt through here)."""
         check_completion_request(req)
         if req.model is not None and req.model != self.model_name:
             raise OpenAIError(
@@ -112,8 +108,8 @@ class ServingCompletions:
         self._check_ids(req.stop_token_ids or [], "stop_token_ids")
         prompts = [self._tokenize(p) for p in split_prompts(req.prompt)]
         budgets = [max_tokens_for(req, len(p), self.max_model_len) for p in prompts]
-        plan = CompletionPlan(req, prompts, [])
-        options = output_options(req)
+        plan = CompletionPlan(req, prompts, [], id=f"{id_prefix}-{uuid.uuid4().hex}")
+        options = options or output_options(req)
         for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
             for j in range(req.n):
                 index = i * req.n + j
@@ -140,43 +136,12 @@ class ServingCompletions:
                 param,
             )
 
-    async def _run(self, plan: CompletionPlan) -> AsyncGenerator[tuple[int, ChoiceDelta], None]:
-        """Yield (choice index, delta) as the engine produces; abort leftovers on exit."""
-        stream = OutputStream()
-        try:
-            for c in plan.choices:
-                self.client.add(c.request_id, c.prompt_ids, c.params, stream, c.index)
-            while batch := await stream.get():
-                for item in batch:
-                    for delta in self._advance(plan.choices[item.choice], item):
-                        yield item.choice, delta
-        finally:
-            self.client.abort(stream.unfinished)
-
-    def _advance(self, choice: ChoiceState, item: StepItem) -> list[ChoiceDelta]:
-        proc = choice.processor
-        if proc.finished:  # stopped by a string: what was already in flight is dropped
-            return []
-        if item.finish_reason == "error":
-            raise EngineRequestError(item.error or "the engine could not run this request")
-        deltas = []
-        if not choice.started:
-            choice.started = True
-            deltas.append(proc.prompt(item.prompt_logprobs))
-        if item.token_id is not None or item.finish_reason is not None:
-            deltas.append(
-                proc.step(item.token_id, item.logprob, item.finish_reason, item.stop_token_id)
-            )
-        if proc.stopped_by_string:
-            self.client.abort([choice.request_id])
-        return deltas
-
     async def _complete(self, plan: CompletionPlan) -> web.Response:
         collected: list[list[ChoiceDelta]] = [[] for _ in plan.choices]
         try:
-            async with aclosing(self._run(plan)) as deltas:
-                async for index, delta in deltas:
-                    collected[index].append(delta)
+            async with aclosing(run_choices(self.client, plan.choices)) as outputs:
+                async for output in outputs:
+                    collected[output.index].append(output.delta)
         except (EngineRequestError, EngineDeadError) as exc:
             raise engine_error(exc) from None
         choices = [to_choice(i, d, plan.with_logprobs) for i, d in enumerate(collected)]
@@ -187,8 +152,8 @@ class ServingCompletions:
         sse = SSEWriter(request)
         options = plan.request.stream_options
         try:
-            async with aclosing(self._run(plan)) as deltas:
-                async for index, delta in deltas:
+            async with aclosing(run_choices(self.client, plan.choices)) as outputs:
+                async for index, delta, _ in outputs:
                     if not is_empty(delta):
                         await sse.send(self._chunk(plan, index, delta))
         except (EngineRequestError, EngineDeadError) as exc:
@@ -209,37 +174,6 @@ class ServingCompletions:
             usage = Usage.of(len(choice.prompt_ids), choice.processor.num_generated_tokens)
         choices = [to_choice(index, [delta], plan.with_logprobs)]
         return CompletionStreamChunk(plan.id, plan.created, self.model_name, choices, usage)
-
-
-class SSEWriter:
-    """Server-sent events, prepared lazily at the first event: an error found before anything
-    was sent can still be answered with a plain status and JSON body."""
-
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
-        self.response = web.StreamResponse(headers=_SSE_HEADERS)
-        self.started = False
-        self._encoder = msgspec.json.Encoder()
-
-    async def send(self, payload: msgspec.Struct) -> None:
-        await self._write(self._encoder.encode(payload))
-
-    async def fail(self, error_json: bytes) -> web.StreamResponse:
-        """Send an error event and end the stream (no [DONE])."""
-        await self._write(error_json)
-        await self.response.write_eof()
-        return self.response
-
-    async def done(self) -> web.StreamResponse:
-        await self._write(b"[DONE]")
-        await self.response.write_eof()
-        return self.response
-
-    async def _write(self, data: bytes) -> None:
-        if not self.started:
-            self.started = True
-            await self.response.prepare(self.request)
-        await self.response.write(b"data: " + data + b"\n\n")
 
 
 def output_options(req: CompletionRequest) -> OutputOptions:
@@ -287,9 +221,3 @@ def to_choice(index: int, deltas: Sequence[ChoiceDelta], with_logprobs: bool) ->
 def is_empty(delta: ChoiceDelta) -> bool:
     """A delta worth no chunk: no text, no logprob entries, no finish."""
     return not delta.text and not delta.tokens and delta.finish_reason is None
-
-
-def engine_error(exc: Exception) -> OpenAIError:
-    if isinstance(exc, EngineDeadError):
-        return OpenAIError(503, f"The engine is unavailable: {exc}. Retry later.")
-    return bad_request(str(exc))
