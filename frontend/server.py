@@ -30,7 +30,9 @@ from frontend.engine_client import EngineClient, EngineUnavailableError
 from frontend.errors import Handler, OpenAIError, error_middleware
 from frontend.output_processor import TokenTextCache
 from frontend.protocol import ModelCard, ModelList
+from frontend.serving_chat import ServingChat
 from frontend.serving_completions import ServingCompletions
+from frontend.serving_tokens import ServingTokens
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class FrontendConfig:
 CONFIG = web.AppKey("config", FrontendConfig)
 ENGINE = web.AppKey("engine", EngineClient)
 COMPLETIONS = web.AppKey("completions", ServingCompletions)
+CHAT = web.AppKey("chat", ServingChat)
+TOKENS = web.AppKey("tokens", ServingTokens)
 MODEL_NAME = web.AppKey("model_name", str)
 FRONTEND_ID = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -77,6 +81,10 @@ def init_app(
     app.cleanup_ctx.append(partial(engine_context, tokenizer_loader=tokenizer_loader))
     app.on_response_prepare.append(add_frontend_header)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
@@ -102,6 +110,8 @@ async def engine_context(
         app[ENGINE] = client
         app[MODEL_NAME] = name
         app[COMPLETIONS] = ServingCompletions(client, tokenizer, TokenTextCache(tokenizer), name)
+        app[CHAT] = ServingChat(app[COMPLETIONS])
+        app[TOKENS] = ServingTokens(app[COMPLETIONS], ready.tokenizer)
         logger.info(
             "engine at %s ready: model %s, max_model_len %d",
             config.engine_address,
@@ -134,6 +144,22 @@ async def add_frontend_header(request: web.Request, response: web.StreamResponse
 
 async def completions(request: web.Request) -> web.StreamResponse:
     return await request.app[COMPLETIONS].handle(request)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[CHAT].handle(request)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    return await request.app[TOKENS].tokenize(request)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    return await request.app[TOKENS].detokenize(request)
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    return await request.app[TOKENS].tokenizer_info(request)
 
 
 async def models(request: web.Request) -> web.Response:

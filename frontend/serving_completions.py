@@ -97,15 +97,9 @@ class ServingCompletions:
         `options` replaces the output options the request implies (the chat API, which shapes
         its own logprobs, plans its rendered prompt through here)."""
         check_completion_request(req)
-        if req.model is not None and req.model != self.model_name:
-            raise OpenAIError(
-                404,
-                f"The model `{req.model}` does not exist.",
-                param="model",
-                code="model_not_found",
-            )
-        self._check_ids(list(parse_logit_bias(req.logit_bias) or ()), "logit_bias")
-        self._check_ids(req.stop_token_ids or [], "stop_token_ids")
+        self.check_model(req.model)
+        self.check_ids(list(parse_logit_bias(req.logit_bias) or ()), "logit_bias")
+        self.check_ids(req.stop_token_ids or [], "stop_token_ids")
         prompts = [self._tokenize(p) for p in split_prompts(req.prompt)]
         budgets = [max_tokens_for(req, len(p), self.max_model_len) for p in prompts]
         plan = CompletionPlan(req, prompts, [], id=f"{id_prefix}-{uuid.uuid4().hex}")
@@ -124,10 +118,21 @@ class ServingCompletions:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         if not ids:
             raise bad_request("prompt must not be empty", "prompt")
-        self._check_ids(ids, "prompt")
+        self.check_ids(ids, "prompt")
         return list(ids)
 
-    def _check_ids(self, ids: Sequence[int], param: str) -> None:
+    def check_model(self, model: str | None) -> None:
+        """A request naming another model than the one served is a 404."""
+        if model is not None and model != self.model_name:
+            raise OpenAIError(
+                404,
+                f"The model `{model}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
+        """Every id must be in the vocabulary both the tokenizer and the model know."""
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise bad_request(
