@@ -176,7 +176,9 @@ def content_text(content: str | list[ContentPart] | None) -> str | None:
     return "\n".join(part.text or "" for part in content)
 
 
-def template_messages(messages: list[ChatMessage], has_developer_role: bool) -> list[dict[str, Any]]:
+def template_messages(
+    messages: list[ChatMessage], has_developer_role: bool
+) -> list[dict[str, Any]]:
     """The messages as dicts for `apply_chat_template`; developer becomes system where the
     template does not know the developer role."""
     rendered = []

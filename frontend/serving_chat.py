@@ -61,7 +61,8 @@ def render_chat(
             dicts, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
         )
     except (jinja2.TemplateError, TypeError, ValueError) as exc:
-        raise bad_request(f"The chat template could not render these messages: {exc}", "messages")
+        message = f"The chat template could not render these messages: {exc}"
+        raise bad_request(message, "messages") from None
     return str(text)
 
 

@@ -8,13 +8,23 @@ import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import jinja2
 import pytest
 from aiohttp.test_utils import TestClient
 
+from frontend.errors import OpenAIError
+from frontend.protocol_chat import ChatMessage
 from frontend.server import init_app
+from frontend.serving_chat import render_chat
 from shared.messages import as_ints
-from tests.unit.fake_engine import BOS, EOS, FakeEngine, cached_tokenizer, frontend_config
-from tests.unit.fake_engine import tokenizer_folder
+from tests.unit.fake_engine import (
+    BOS,
+    EOS,
+    FakeEngine,
+    cached_tokenizer,
+    frontend_config,
+    tokenizer_folder,
+)
 
 Client = TestClient  # type: ignore[type-arg]
 USER = [{"role": "user", "content": "Party 🎉 你好 and more words"}]
@@ -224,7 +234,11 @@ async def test_openai_client_library(client: Client) -> None:
 
     api = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
     done = await api.chat.completions.create(
-        model="fake-model", messages=USER, max_tokens=2, logprobs=True, top_logprobs=1  # type: ignore[arg-type]
+        model="fake-model",
+        messages=USER,  # type: ignore[arg-type]
+        max_tokens=2,
+        logprobs=True,
+        top_logprobs=1,
     )
     assert done.choices[0].message.content == "<｜User｜>Party"
     assert done.choices[0].logprobs and done.choices[0].logprobs.content
@@ -234,3 +248,17 @@ async def test_openai_client_library(client: Client) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "<｜User｜>Party"
     await api.close()
+
+
+def test_template_problems_are_400s() -> None:
+    class Tokenizer:
+        def __init__(self, template: str | None) -> None:
+            self.chat_template = template
+
+        def apply_chat_template(self, *args: Any, **kwargs: Any) -> str:
+            raise jinja2.TemplateError("Conversation roles must alternate")
+
+    for template, words in ((None, "no chat template"), ("{{ x }}", "must alternate")):
+        with pytest.raises(OpenAIError) as caught:
+            render_chat(Tokenizer(template), [ChatMessage(role="user", content="hi")])
+        assert caught.value.status == 400 and words in caught.value.message
