@@ -71,7 +71,7 @@ class Launcher:
         self.engine: subprocess.Popen[bytes] | None = None
         self.frontends: list[subprocess.Popen[bytes]] = []
         self.stop_signal: int | None = None
-        self.grace = args.shutdown_grace
+        self.grace = args.shutdown_grace + 5  # frontends' own grace, plus their teardown
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -166,7 +166,7 @@ class Launcher:
                 # Frontends notice within 2 s: they fail in-flight requests and turn /health to
                 # 503, so clients and probes see why. Then everything stops (exit within 5 s).
                 time.sleep(ENGINE_DEATH_NOTICE_S)
-                self.grace = 1.0
+                self.grace = 1.0  # nothing left in flight; SIGKILL after that
             if dead is not None:
                 return 1
             time.sleep(0.1)
@@ -174,7 +174,7 @@ class Launcher:
 
     def _stop_all(self) -> None:
         """Frontends first (they drain in-flight requests within the grace period), then the engine."""
-        _terminate(self.frontends, self.grace + 5)
+        _terminate(self.frontends, self.grace)
         _terminate([self.engine] if self.engine else [], 10)
 
 
