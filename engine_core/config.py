@@ -13,6 +13,7 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    max_waiting_requests: int = 1024  # beyond this many queued, new requests are refused (503)
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None => a default for the device
     num_kv_blocks: int | None = None  # exact block count; wins over kv_cache_memory
@@ -24,7 +25,8 @@ class EngineConfig:
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
+                     "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

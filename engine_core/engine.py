@@ -46,9 +46,16 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     owner: bytes = b"") -> None:
         error = self._admission_error(request_id, prompt_token_ids, params)
+        reason = "error"
+        if error is None and len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+            reason, error = "overloaded", (
+                f"the server is overloaded: {len(self.scheduler.waiting)} requests are already "
+                f"waiting (--max-waiting-requests {self.config.max_waiting_requests})")
         if error is not None:
-            log.info("refused %s: %s", request_id, error)
-            self._refused.append(Row(request_id, owner, finish=Finished(0, "error", message=error)))
+            log.log(logging.DEBUG if reason == "overloaded" else logging.INFO,
+                    "refused %s: %s", request_id, error)
+            self.counters[f"rejected_{reason}"] += 1
+            self._refused.append(Row(request_id, owner, finish=Finished(0, reason, message=error)))
             return
         req = Request(request_id, prompt_token_ids, params, owner, next(self._arrivals))
         self.requests[request_id] = req
@@ -75,12 +82,13 @@ class EngineCore:
                     f"holds {self.blocks.num_blocks * self.blocks.block_size}")
         return None
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str], reason: str = "abort") -> None:
+        """Drop these requests; `reason` "stop" when the frontend stopped them (stop string)."""
         for rid in request_ids:
             req = self.requests.pop(rid, None)
             if req is not None:
                 self.scheduler.remove(req)
-                self.counters["finished_abort"] += 1
+                self.counters[f"finished_{reason}"] += 1
 
     @property
     def has_work(self) -> bool:
@@ -105,6 +113,8 @@ class EngineCore:
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_new
             self.scheduler.publish_computed_blocks(s.request)
+            if s.completes_prefill and s.request.num_output_tokens == 0:  # once, as vLLM counts
+                self.counters["request_prompt_tokens"] += s.request.num_prompt_tokens
             self.counters["prompt_tokens"] += max(0, min(s.start + s.num_new, s.request.num_prompt_tokens) - s.start)
         if sampled is not None:
             rows += self._accept_samples(samplers, sampled.token_ids, sampled.logprob_rows, sampled.logprobs)

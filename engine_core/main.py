@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             model=model, served_model_name=args.served_model_name, tokenizer=args.tokenizer,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+            max_waiting_requests=args.max_waiting_requests,
             kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
             enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype, device=args.device,
             seed=args.seed, num_threads=args.num_threads, trust_remote_code=args.trust_remote_code)

@@ -8,6 +8,9 @@ Threads:
 - encoder thread: output queue -> msgpack frames, off the busy loop.
 - main thread, the busy loop: 1. take new/aborted requests, 2. step the engine, 3. queue the
   outputs per frontend. With nothing to do it blocks on the input queue; it never spins.
+
+Frontends' latency reports (MetricsReport) are added up here and returned with "stats", so a
+scrape of any frontend shows the whole server (engine_core/metrics.py).
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import msgspec
 import zmq
 
 from engine_core.engine import EngineCore
-from shared.messages import (AbortRequest, AddRequest, EngineInput, EngineOutput, Hello, Ready,
-                             UtilityRequest, UtilityResult, as_ints)
+from engine_core.metrics import HistogramTotals
+from shared.messages import (AbortRequest, AddRequest, EngineInput, EngineOutput, Hello,
+                             MetricsReport, Ready, StopRequest, UtilityRequest, UtilityResult,
+                             as_ints)
 from shared.transport import InputCodec, OutputCodec, configure
 
 log = logging.getLogger(__name__)
@@ -40,6 +45,7 @@ class EngineProcess:
         self.inputs: queue.Queue[tuple[bytes, EngineInput] | None] = queue.Queue()
         self.outputs: queue.Queue[tuple[bytes, EngineOutput]] = queue.Queue()
         self.stopping = threading.Event()
+        self.histograms = HistogramTotals()
         self.router = self.ctx.socket(zmq.ROUTER)
         configure(self.router)
         self.router.bind(listen)
@@ -78,12 +84,17 @@ class EngineProcess:
                                   msg.params, owner)
         elif isinstance(msg, AbortRequest):
             self.core.abort(msg.request_ids)
+        elif isinstance(msg, StopRequest):
+            self.core.abort(msg.request_ids, reason="stop")
+        elif isinstance(msg, MetricsReport):
+            self.histograms.add(msg)
         elif isinstance(msg, UtilityRequest):
             self.outputs.put((owner, self._utility(msg)))
 
     def _utility(self, msg: UtilityRequest) -> UtilityResult:
         if msg.method == "stats":
             result: dict[str, Any] = dict(self.core.stats())
+            result["histograms"] = self.histograms.snapshot()
             return UtilityResult(msg.call_id, result)
         if msg.method == "reset_prefix_cache":
             self.core.blocks.reset_prefix_cache()

@@ -15,6 +15,9 @@ _ENGINE_FLAGS = (
     ("--max-num-seqs", dict(type=int, default=128, help="most requests running at once")),
     ("--max-num-batched-tokens", dict(type=int, default=2048,
                                       help="token budget of one step; longer prompts are chunked")),
+    ("--max-waiting-requests", dict(type=int, default=1024,
+                                    help="most requests queued for a slot; beyond it new requests "
+                                         "get 503 with Retry-After")),
     ("--block-size", dict(type=int, default=16, help="tokens per KV-cache block")),
     ("--kv-cache-memory", dict(type=int, default=None,
                                help="KV cache size in bytes (default: 2 GiB on CPU, 80%% of free on CUDA)")),

@@ -5,7 +5,7 @@ msgpack. Token ids and logprob arrays travel as packed little-endian int32/float
 (columnar per step), never as one Python object per token: `ints()`/`floats()` pack them and
 `as_ints()`/`as_floats()` read them back as numpy views without copying.
 
-Frontend -> engine: Hello, AddRequest, AbortRequest, UtilityRequest.
+Frontend -> engine: Hello, AddRequest, AbortRequest, StopRequest, UtilityRequest, MetricsReport.
 Engine -> frontend: Ready, StepOutputs, UtilityResult.
 """
 
@@ -68,6 +68,13 @@ class AbortRequest(_Wire, tag="abort"):
     request_ids: list[str]
 
 
+class StopRequest(_Wire, tag="stop"):
+    """Like AbortRequest, for requests the frontend finished itself (a stop string matched):
+    the engine frees them and counts them as finished by "stop", not as aborted."""
+
+    request_ids: list[str]
+
+
 class UtilityRequest(_Wire, tag="util"):
     call_id: int
     method: str  # "stats" | "ping"
@@ -77,6 +84,25 @@ class UtilityResult(_Wire, tag="util_result"):
     call_id: int
     result: dict[str, Any] = {}
     error: str | None = None
+
+
+class Histogram(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Observations of one latency histogram since a frontend's last report.
+
+    `counts[i]` counts observations <= bounds[i] and > bounds[i - 1] (not cumulative); the
+    last entry, counts[len(bounds)], counts those above every bound (+Inf)."""
+
+    name: str
+    bounds: list[float]
+    counts: list[int]
+    sum: float
+
+
+class MetricsReport(_Wire, tag="metrics"):
+    """A frontend's latency observations (TTFT, ITL, end-to-end) since its last report; the
+    engine adds them up so that any frontend can serve the whole server's figures."""
+
+    histograms: list[Histogram]
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -92,7 +118,7 @@ class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 class Finished(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     index: int  # row in StepOutputs.req_ids
-    reason: str  # "stop" | "length" | "abort" | "error"
+    reason: str  # "stop" | "length" | "abort" | "error" | "overloaded" (refused: queue full)
     stop_token_id: int | None = None  # set when a stop_token_ids entry ended it
     message: str | None = None  # for "error": why the engine refused the request
 
@@ -116,7 +142,7 @@ class StepOutputs(_Wire, tag="out"):
     finished: list[Finished] = []
 
 
-EngineInput = Hello | AddRequest | AbortRequest | UtilityRequest
+EngineInput = Hello | AddRequest | AbortRequest | StopRequest | UtilityRequest | MetricsReport
 EngineOutput = Ready | StepOutputs | UtilityResult
 
 
