@@ -21,6 +21,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from frontend.metrics import LatencyRecorder
 from frontend.output_processor import PromptLogprobsView, TokenLogprob
 from shared import messages as wire
 from shared.messages import as_floats, as_ints
@@ -35,6 +36,11 @@ class EngineUnavailableError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine stopped answering (or the client closed): in-flight requests cannot finish."""
+
+
+class EngineOverloadedError(EngineDeadError):
+    """The engine refused a request because its waiting queue is full: a 503 for this request
+    only (the HTTP layer maps EngineDeadError to 503); the client may retry after a while."""
 
 
 class UtilityError(RuntimeError):
@@ -162,6 +168,7 @@ class EngineClient:
         self._unanswered_since: float | None = None
         self._healthy = False
         self._ready: wire.Ready | None = None
+        self.latency = LatencyRecorder(self._send)  # TTFT/ITL/e2e, reported to the engine
 
     @property
     def ready(self) -> wire.Ready:
@@ -205,6 +212,7 @@ class EngineClient:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.latency.flush()
         if self._requests and self._healthy:
             self._send(wire.AbortRequest(list(self._requests)))
         self._fail_all(EngineDeadError("the frontend is shutting down"))
@@ -225,18 +233,22 @@ class EngineClient:
         stream = stream if stream is not None else OutputStream()
         stream.open(request_id)
         self._requests[request_id] = (stream, choice)
+        self.latency.on_add(request_id)
         self._send(wire.AddRequest(request_id, wire.ints(prompt_token_ids), params))
         return stream
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Stop these requests in the engine now; their streams get nothing more."""
+    def abort(self, request_ids: list[str], stopped: bool = False) -> None:
+        """Stop these requests in the engine now; their streams get nothing more. `stopped`:
+        the frontend finished them itself (a stop string), so they count as "stop", not "abort"."""
         if not request_ids:
             return
         for rid in request_ids:
             entry = self._requests.pop(rid, None)
             if entry is not None:
                 entry[0].close(rid)
-        self._send(wire.AbortRequest(list(request_ids)))
+                self.latency.on_finish(rid, "stop" if stopped else "abort")
+        ids = list(request_ids)
+        self._send(wire.StopRequest(ids) if stopped else wire.AbortRequest(ids))
 
     async def call_utility(self, method: str, timeout: float = 5.0) -> dict[str, Any]:
         """Ask the engine for "stats" or "ping"; raises UtilityError, EngineDeadError, TimeoutError."""
@@ -295,6 +307,13 @@ class EngineClient:
                 continue
             stream, choice = entry
             token = tokens[row] if tokens[row] >= 0 else None
+            self.latency.on_output(rid, token is not None, fin.reason if fin else None)
+            if fin is not None and fin.reason == "overloaded":
+                del self._requests[rid]
+                stream.close(rid)
+                self.abort(stream.unfinished)  # its sibling choices cannot be answered either
+                stream.fail(EngineOverloadedError(fin.message or "the server is overloaded"))
+                continue
             logprob = logprobs[row] if logprobs is not None and token is not None else None
             view = prompt_logprobs_view(plp) if plp is not None else None
             if fin is None:
@@ -352,6 +371,7 @@ class EngineClient:
             self._send(wire.AbortRequest(ids))
 
     def _fail_all(self, exc: Exception) -> None:
+        self.latency.forget_all()
         for stream, _ in self._requests.values():
             stream.fail(exc)
         self._requests.clear()

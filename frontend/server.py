@@ -28,6 +28,7 @@ from aiohttp import web
 
 from frontend.engine_client import EngineClient, EngineUnavailableError
 from frontend.errors import Handler, OpenAIError, error_middleware
+from frontend.metrics import metrics_response
 from frontend.output_processor import TokenTextCache
 from frontend.protocol import ModelCard, ModelList
 from frontend.serving_chat import ServingChat
@@ -80,6 +81,7 @@ def init_app(
     app[CONFIG] = config
     app.cleanup_ctx.append(partial(engine_context, tokenizer_loader=tokenizer_loader))
     app.on_response_prepare.append(add_frontend_header)
+    app.on_response_prepare.append(add_retry_after)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize)
@@ -88,6 +90,7 @@ def init_app(
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
+    app.router.add_get("/metrics", metrics)
     return app
 
 
@@ -140,6 +143,16 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 
 async def add_frontend_header(request: web.Request, response: web.StreamResponse) -> None:
     response.headers["X-Tandem-Frontend"] = FRONTEND_ID
+
+
+async def add_retry_after(request: web.Request, response: web.StreamResponse) -> None:
+    """Every 503 (engine down or waiting queue full) tells the client when to try again."""
+    if response.status == 503:
+        response.headers.setdefault("Retry-After", "1")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return await metrics_response(request.app[ENGINE], request.app[MODEL_NAME])
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -84,7 +84,7 @@ def advance(client: EngineClient, choice: ChoiceState, item: StepItem) -> list[C
             proc.step(item.token_id, item.logprob, item.finish_reason, item.stop_token_id)
         )
     if proc.stopped_by_string:
-        client.abort([choice.request_id])
+        client.abort([choice.request_id], stopped=True)
     return [ChoiceOutput(choice.index, d, _released(choice, d)) for d in deltas]
 
 

@@ -28,6 +28,7 @@ from shared.messages import (
     PromptLogprobs,
     Ready,
     StepOutputs,
+    StopRequest,
     UtilityRequest,
     UtilityResult,
     as_ints,
@@ -157,7 +158,7 @@ class FakeEngine:
             prompt = as_ints(msg.prompt_token_ids).tolist()
             source = [t for t in prompt if t != BOS] or prompt
             self.running[msg.request_id] = _Running(identity, msg, source)
-        elif isinstance(msg, AbortRequest):
+        elif isinstance(msg, (AbortRequest, StopRequest)):  # Stop: aborted for a stop string
             self.aborted.extend(msg.request_ids)
             for rid in msg.request_ids:
                 self.running.pop(rid, None)
