@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from shared.messages import Finished, SamplingParams, StepOutputs
 
 log = logging.getLogger(__name__)
 MAX_LOGPROBS = 20
+PROMPT_LOGITS_ROWS = 256
 
 
 class EngineCore:
@@ -105,10 +107,12 @@ class EngineCore:
 
     def _execute(self, sched: SchedulerOutput) -> list[Row]:
         plan = _plan_rows(sched.scheduled)
-        logits = self.runner.execute(sched, plan.keep)
+        hidden = self.runner.execute(sched, plan.keep)
         samplers = [s.request for s in sched.scheduled if s.samples]
-        sampled = self.sampler(logits[plan.sample_rows], samplers) if samplers else None
-        prompt_lps = self._prompt_logprobs(sched.scheduled, plan, logits)
+        sampled = None
+        if samplers:
+            sampled = self.sampler(self.runner.compute_logits(hidden[plan.num_prompt_rows:]), samplers)
+        prompt_lps = self._prompt_logprobs(sched.scheduled, plan, hidden)
         rows: list[Row] = []
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_new
@@ -164,18 +168,24 @@ class EngineCore:
         return row
 
     def _prompt_logprobs(self, scheduled: list[Scheduled], plan: "_RowPlan",
-                         logits: torch.Tensor) -> dict[str, TopLogprobs]:
-        """Accumulate prompt logprobs per chunk; return the complete ones of this step."""
+                         hidden: torch.Tensor) -> dict[str, TopLogprobs]:
+        """Accumulate prompt logprobs per chunk; return the complete ones of this step.
+
+        The LM head runs over at most PROMPT_LOGITS_ROWS positions at a time, so a long echoed
+        prompt never materialises a [prompt_len, vocab] logits tensor at once.
+        """
         done: dict[str, TopLogprobs] = {}
         for s, (lo, hi) in zip(scheduled, plan.prompt_rows):
             req = s.request
             if req.prompt_logprobs_done:
                 continue
-            if hi > lo:
-                first = s.start + 1  # logits at position p score prompt token p + 1
-                targets = torch.tensor(req.prompt_token_ids[first:first + hi - lo])
-                req.prompt_logprob_chunks.append(
-                    token_logprobs(logits[lo:hi].cpu(), targets, req.params.prompt_logprobs or 0))
+            k = req.params.prompt_logprobs or 0
+            for a in range(lo, hi, PROMPT_LOGITS_ROWS):
+                b = min(hi, a + PROMPT_LOGITS_ROWS)
+                first = s.start + 1 + a - lo  # logits at position p score prompt token p + 1
+                targets = torch.tensor(req.prompt_token_ids[first:first + b - a])
+                logits = self.runner.compute_logits(hidden[a:b]).cpu()
+                req.prompt_logprob_chunks.append(token_logprobs(logits, targets, k))
             if s.start + s.num_new >= req.num_prompt_tokens:
                 done[req.request_id] = _concat(req.prompt_logprob_chunks, req.params.prompt_logprobs or 0)
                 req.prompt_logprob_chunks = []
@@ -198,31 +208,32 @@ class EngineCore:
         }
 
 
-class _RowPlan:
-    """Which rows of the packed batch need logits, and where they land in the kept logits."""
+class _RowPlan(NamedTuple):
+    """Which rows of the packed batch need hidden states: every prompt-logprob row first (per
+    scheduled item, [lo, hi) in `prompt_rows`), then one row per sampling request, in order."""
 
-    def __init__(self) -> None:
-        self.keep: list[int] = []
-        self.sample_rows: list[int] = []
-        self.prompt_rows: list[tuple[int, int]] = []  # per scheduled item, [lo, hi) of kept logits
+    keep: np.ndarray
+    prompt_rows: list[tuple[int, int]]
+    num_prompt_rows: int
 
 
 def _plan_rows(scheduled: list[Scheduled]) -> _RowPlan:
-    plan = _RowPlan()
+    prompt_keep: list[int] = []
+    sample_keep: list[int] = []
+    prompt_rows = []
     offset = 0
     for s in scheduled:
         req = s.request
-        lo = len(plan.keep)
+        lo = len(prompt_keep)
         if not req.prompt_logprobs_done:
             end = min(s.start + s.num_new, req.num_prompt_tokens - 1)
-            plan.keep.extend(range(offset, offset + max(0, end - s.start)))
-        plan.prompt_rows.append((lo, len(plan.keep)))
+            prompt_keep.extend(range(offset, offset + max(0, end - s.start)))
+        prompt_rows.append((lo, len(prompt_keep)))
         if s.samples:
-            plan.sample_rows.append(len(plan.keep))
-            plan.keep.append(offset + s.num_new - 1)
+            sample_keep.append(offset + s.num_new - 1)
         offset += s.num_new
-    plan.keep = np.asarray(plan.keep, dtype=np.int64)  # type: ignore[assignment]
-    return plan
+    keep = np.asarray(prompt_keep + sample_keep, dtype=np.int64)
+    return _RowPlan(keep, prompt_rows, len(prompt_keep))
 
 
 def _concat(chunks: list[TopLogprobs], k: int) -> TopLogprobs:

@@ -63,6 +63,10 @@ class ModelRunner:
         self.model = AutoModelForCausalLM.from_pretrained(
             config.model, config=hf_config, dtype=self.dtype, attn_implementation=ATTENTION_NAME,
             trust_remote_code=config.trust_remote_code).to(self.device).eval()
+        self.decoder = self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
+        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        self.softcap = getattr(text_config, "final_logit_softcapping", None)
         self.facts = _model_facts(config, hf_config)
         self.block_size = config.block_size
         self.kv_caches = self._allocate_kv(config, hf_config)
@@ -96,7 +100,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, keep_rows: np.ndarray) -> torch.Tensor:
-        """Run every scheduled token in one forward; return float32 logits at `keep_rows`."""
+        """Run every scheduled token in one forward; return the final hidden states at
+        `keep_rows` (the LM head runs later, in `compute_logits`, on just the rows that need it)."""
         items = sched.scheduled
         starts = np.fromiter((s.start for s in items), dtype=np.int64, count=len(items))
         num_new = np.fromiter((s.num_new for s in items), dtype=np.int64, count=len(items))
@@ -110,13 +115,18 @@ class ModelRunner:
                                          self.kv_caches, self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[None]
         position_ids = torch.from_numpy(positions).to(self.device)[None]
-        if len(keep_rows) == 0:
-            keep = torch.zeros(0, dtype=torch.long, device=self.device)
-        else:
-            keep = torch.from_numpy(keep_rows).to(self.device)
-        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                         logits_to_keep=keep, tandem_meta=meta)
-        return out.logits[0].float()
+        keep = torch.from_numpy(keep_rows).to(self.device)
+        out = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                           tandem_meta=meta)
+        return out.last_hidden_state[0, keep]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab] of final hidden states (the LM head, only where asked)."""
+        logits = self.lm_head(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
 def _model_facts(config: EngineConfig, hf: AutoConfig) -> ModelFacts:

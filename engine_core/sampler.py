@@ -33,13 +33,22 @@ class SamplerOutput(NamedTuple):
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> TopLogprobs:
-    """Logprob and rank of `tokens` under `logits` rows, plus each row's top-k."""
-    lp = torch.log_softmax(logits, dim=-1)
-    chosen = lp.gather(1, tokens[:, None])
-    ranks = (lp > chosen).sum(-1) + 1
-    top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], tokens[:, None][:, :0])
-    return TopLogprobs(chosen[:, 0].numpy().astype(np.float32), ranks.numpy().astype(np.int32),
-                       top_ids.numpy().astype(np.int32), top_vals.numpy().astype(np.float32))
+    """Logprob and rank of `tokens` under `logits` rows, plus each row's top-k.
+
+    log_softmax(x)[t] = x[t] - logsumexp(x): only the rows' normalisers are computed, never a
+    second [rows, vocab] tensor.
+    """
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = logits.gather(1, tokens[:, None])
+    ranks = (logits > chosen).sum(-1) + 1
+    if k:
+        top_vals, top_ids = logits.topk(k, dim=-1)
+        top_vals = top_vals - lse
+    else:
+        top_vals, top_ids = logits[:, :0], tokens[:, None][:, :0]
+    return TopLogprobs((chosen - lse)[:, 0].numpy().astype(np.float32),
+                       ranks.numpy().astype(np.int32), top_ids.numpy().astype(np.int32),
+                       top_vals.numpy().astype(np.float32))
 
 
 class Sampler:
