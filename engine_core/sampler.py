@@ -2,9 +2,10 @@
 
 Logprobs are those of the model's raw distribution (log_softmax of the logits, before
 temperature, penalties or truncation), as OpenAI and vLLM report them, and are computed only
-for the rows that asked. Sampling uses the exponential-race form of the categorical draw
-(argmax p/q, q ~ Exp(1)); a request with a seed draws its q from its own generator, so its
-tokens do not depend on what else shares the batch.
+for the rows that asked. Sampling draws by inverse CDF: one uniform number per row, found in
+the row's cumulative distribution (an exponential race would need a random number per
+vocabulary entry: 128k logs per row per step). A request with a seed draws its number from its
+own generator, so its tokens do not depend on what else shares the batch.
 """
 
 from __future__ import annotations
@@ -109,11 +110,14 @@ class Sampler:
         rand = torch.nonzero(~greedy)[:, 0]
         sub = [reqs[int(i)] for i in rand]
         probs = _truncated_probs(logits[rand] / temps[rand, None], sub)
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        # Inverse-CDF draw: one uniform number per row instead of one per vocabulary entry.
+        cdf = probs.cumsum(-1)
+        u = torch.rand(len(sub), 1, generator=self.generator, dtype=cdf.dtype)
         for j, req in enumerate(sub):
             if req.generator is not None:
-                q[j].exponential_(generator=req.generator)
-        tokens[rand] = (probs / q).argmax(-1)
+                u[j] = torch.rand(1, generator=req.generator, dtype=cdf.dtype)
+        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+        tokens[rand] = picked.clamp(max=probs.shape[1] - 1)
         return tokens
 
 
