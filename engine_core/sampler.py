@@ -104,21 +104,31 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
         greedy = temps < _GREEDY_EPS
-        tokens = logits.argmax(-1)
         if bool(greedy.all()):
+            return logits.argmax(-1)
+        if bool(greedy.any()):
+            tokens = logits.argmax(-1)
+            rand = torch.nonzero(~greedy)[:, 0]
+            tokens[rand] = self._sample(logits[rand], temps[rand], [reqs[int(i)] for i in rand])
             return tokens
-        rand = torch.nonzero(~greedy)[:, 0]
-        sub = [reqs[int(i)] for i in rand]
-        probs = _truncated_probs(logits[rand] / temps[rand, None], sub)
-        # Inverse-CDF draw: one uniform number per row instead of one per vocabulary entry.
-        cdf = probs.cumsum(-1)
-        u = torch.rand(len(sub), 1, generator=self.generator, dtype=cdf.dtype)
-        for j, req in enumerate(sub):
+        return self._sample(logits, temps, reqs)
+
+    def _sample(self, logits: torch.Tensor, temps: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+        """Inverse-CDF draw: one uniform number per row, found in the row's cumulative
+        (unnormalised) distribution. `logits` is left untouched (logprobs read it later)."""
+        scaled = logits / temps[:, None]
+        if any(0 < r.params.top_k < logits.shape[1] or r.params.top_p < 1.0 or r.params.min_p > 0
+               for r in reqs):
+            weights = _truncated_probs(scaled, reqs)
+        else:  # plain temperature sampling: exp(x - max) in place, no normalisation pass
+            weights = scaled.sub_(scaled.max(-1, keepdim=True).values).exp_()
+        cdf = weights.cumsum_(-1)
+        u = torch.rand(len(reqs), 1, generator=self.generator, dtype=cdf.dtype)
+        for j, req in enumerate(reqs):
             if req.generator is not None:
                 u[j] = torch.rand(1, generator=req.generator, dtype=cdf.dtype)
         picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
-        tokens[rand] = picked.clamp(max=probs.shape[1] - 1)
-        return tokens
+        return picked.clamp_(max=logits.shape[1] - 1)
 
 
 def _truncated_probs(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
