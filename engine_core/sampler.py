@@ -4,7 +4,7 @@ Logprobs are those of the model's raw distribution (log_softmax of the logits, b
 temperature, penalties or truncation), as OpenAI and vLLM report them, and are computed only
 for the rows that asked. Sampling draws by inverse CDF: one uniform number per row, found in
 the row's cumulative distribution (an exponential race would need a random number per
-vocabulary entry: 128k logs per row per step). A request with a seed draws its number from its
+vocabulary entry: 128k logs per row per step), two-level so no scan covers the vocabulary. A request with a seed draws its number from its
 own generator, so its tokens do not depend on what else shares the batch.
 """
 
@@ -122,13 +122,38 @@ class Sampler:
             weights = _truncated_probs(scaled, reqs)
         else:  # plain temperature sampling: exp(x - max) in place, no normalisation pass
             weights = scaled.sub_(scaled.max(-1, keepdim=True).values).exp_()
-        cdf = weights.cumsum_(-1)
-        u = torch.rand(len(reqs), 1, generator=self.generator, dtype=cdf.dtype)
+        u = torch.rand(len(reqs), 1, generator=self.generator, dtype=weights.dtype)
         for j, req in enumerate(reqs):
             if req.generator is not None:
-                u[j] = torch.rand(1, generator=req.generator, dtype=cdf.dtype)
-        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
-        return picked.clamp_(max=logits.shape[1] - 1)
+                u[j] = torch.rand(1, generator=req.generator, dtype=weights.dtype)
+        return inverse_cdf(weights, u)
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """Per row, the index i with cdf[i-1] <= u * total < cdf[i] (weights >= 0, unnormalised).
+
+    Two levels, so no scan runs over the whole vocabulary: block sums (a vectorised reduction),
+    a scan over the few hundred block sums, then a scan inside the one chosen block. A token of
+    zero weight is never chosen: targets are kept strictly below each level's total.
+    """
+    rows, vocab = weights.shape
+    nblocks = -(-vocab // block)
+    if nblocks * block != vocab:
+        weights = torch.nn.functional.pad(weights, (0, nblocks * block - vocab))
+    blocks = weights.view(rows, nblocks, block)
+    outer = blocks.sum(-1).cumsum_(-1)
+    target = _below(u * outer[:, -1:], outer[:, -1:])
+    b = torch.searchsorted(outer, target, right=True).clamp_(max=nblocks - 1)
+    before = torch.where(b > 0, outer.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target))
+    inner = blocks[torch.arange(rows), b[:, 0]].cumsum(-1)
+    rest = _below(target - before, inner[:, -1:])
+    j = torch.searchsorted(inner, rest, right=True).clamp_(max=block - 1)
+    return (b * block + j)[:, 0]
+
+
+def _below(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """x clamped into [0, total): the largest float under `total` at most."""
+    return torch.minimum(x.clamp(min=0), torch.nextafter(total, torch.zeros_like(total)))
 
 
 def _truncated_probs(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:

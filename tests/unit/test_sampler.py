@@ -66,3 +66,17 @@ def test_token_logprobs_match_log_softmax():
     assert torch.allclose(torch.from_numpy(out.top_logprobs), ref.topk(4).values, atol=1e-6)
     assert math.isclose(float(torch.from_numpy(out.top_logprobs[0]).exp().sum()),
                         float(ref[0].topk(4).values.exp().sum()), rel_tol=1e-5)
+
+
+def test_inverse_cdf_finds_the_right_bucket_and_skips_zero_weights():
+    from engine_core.sampler import inverse_cdf
+
+    w = torch.zeros(3, 1000)
+    w[:, 10], w[:, 500], w[:, 999] = 1.0, 2.0, 1.0
+    u = torch.tensor([[0.0], [0.3], [0.9999999]])
+    assert inverse_cdf(w, u, block=64).tolist() == [10, 500, 999]
+    dense = torch.rand(4, 777)
+    cdf = dense.cumsum(-1)
+    u = torch.rand(4, 1)
+    expected = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+    assert (inverse_cdf(dense, u, block=100) - expected).abs().max() <= 1  # float rounding only
