@@ -67,6 +67,12 @@ class ModelRunner:
         self.lm_head = self.model.get_output_embeddings()
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.softcap = getattr(text_config, "final_logit_softcapping", None)
+        # On CPU a [hidden, vocab] copy of the LM head makes the few-row decode GEMM ~1.1-3x
+        # faster than F.linear over [vocab, hidden] (measured: 4.7 vs 16 ms at 1 row, 25 vs
+        # 29 ms at 16 rows, 128k vocab, one thread).
+        self._head_t: torch.Tensor | None = None
+        if self.device.type == "cpu" and getattr(self.lm_head, "bias", None) is None:
+            self._head_t = self.lm_head.weight.detach().t().contiguous().float()
         self.facts = _model_facts(config, hf_config)
         self.block_size = config.block_size
         self.kv_caches = self._allocate_kv(config, hf_config)
@@ -123,7 +129,10 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] of final hidden states (the LM head, only where asked)."""
-        logits = self.lm_head(hidden).float()
+        if self._head_t is not None:
+            logits = hidden @ self._head_t
+        else:
+            logits = self.lm_head(hidden).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

