@@ -26,7 +26,7 @@ from shared.messages import Finished, SamplingParams, StepOutputs
 
 log = logging.getLogger(__name__)
 MAX_LOGPROBS = 20
-PROMPT_LOGITS_ROWS = 256
+PROMPT_LOGITS_ROWS = 32  # cache-sized: 540 vs 790 ms per 256 rows at 128k vocab, one thread
 
 
 class EngineCore:
