@@ -97,6 +97,7 @@ class EngineCore:
         return self.scheduler.has_work or bool(self._refused)
 
     # -- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> dict[bytes, StepOutputs]:
         """Run one step; return the news for each frontend (by owner identity)."""
         rows, self._refused = self._refused, []

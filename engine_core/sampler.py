@@ -36,20 +36,19 @@ class SamplerOutput(NamedTuple):
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> TopLogprobs:
     """Logprob and rank of `tokens` under `logits` rows, plus each row's top-k.
 
-    log_softmax(x)[t] = x[t] - logsumexp(x): only the rows' normalisers are computed, never a
-    second [rows, vocab] tensor.
+    Consumes `logits` (overwritten in place): on a 128k vocabulary every vocab-sized temporary
+    costs more than the arithmetic, so the passes are max (free from the top-k), exp in place,
+    sum, and one comparison count. exp is monotonic, so ranks compare exp(x - max) directly.
     """
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     chosen = logits.gather(1, tokens[:, None])
-    ranks = (logits > chosen).sum(-1) + 1
-    if k:
-        top_vals, top_ids = logits.topk(k, dim=-1)
-        top_vals = top_vals - lse
-    else:
-        top_vals, top_ids = logits[:, :0], tokens[:, None][:, :0]
+    top_vals, top_ids = logits.topk(max(k, 1), dim=-1)
+    peak = top_vals[:, :1].clone()
+    weights = logits.sub_(peak).exp_()
+    lse = peak + weights.sum(-1, keepdim=True).log_()
+    ranks = weights.gt_((chosen - peak).exp_()).sum(-1) + 1
     return TopLogprobs((chosen - lse)[:, 0].numpy().astype(np.float32),
-                       ranks.numpy().astype(np.int32), top_ids.numpy().astype(np.int32),
-                       top_vals.numpy().astype(np.float32))
+                       ranks.numpy().astype(np.int32), top_ids[:, :k].numpy().astype(np.int32),
+                       (top_vals[:, :k] - lse).numpy().astype(np.float32))
 
 
 class Sampler:
