@@ -42,10 +42,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prompt_logprob_rows: int | None = None) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Prompt positions that need logprobs each cost a full-vocabulary LM-head row (~1000x a
+        # decoder row on a tiny model), so they get a smaller budget of their own: prefills
+        # that score their prompt are spread over steps instead of stalling everyone at once.
+        self.max_prompt_logprob_rows = max_prompt_logprob_rows or max(1, max_num_batched_tokens // 8)
+        self._rows_left = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -70,6 +76,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._rows_left = self.max_prompt_logprob_rows
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -81,10 +88,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._cap_rows(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            if num_new == 0:
+                i += 1
+                continue
             if not self._grow_or_preempt(req, num_new, out):
                 break  # req itself was preempted: it was the newest, nothing after it
             out.scheduled.append(Scheduled(req, req.num_computed_tokens, num_new))
+            self._take_rows(req, num_new)
             budget -= num_new
             i += 1
         return budget
@@ -120,7 +131,9 @@ class Scheduler:
             req = self.waiting[0]
             hits = self._prefix_hits(req)
             num_computed = len(hits) * self.blocks.block_size
-            num_new = min(req.num_tokens - num_computed, budget)
+            num_new = self._cap_rows(req, min(req.num_tokens - num_computed, budget))
+            if num_new == 0:
+                break
             self.blocks.acquire(hits)
             fresh = self.blocks.allocate(self.blocks.blocks_needed(num_computed + num_new) - len(hits))
             if fresh is None:
@@ -135,7 +148,15 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             out.scheduled.append(Scheduled(req, num_computed, num_new))
+            self._take_rows(req, num_new)
             budget -= num_new
+
+    def _cap_rows(self, req: Request, num_new: int) -> int:
+        return num_new if req.prompt_logprobs_done else min(num_new, self._rows_left)
+
+    def _take_rows(self, req: Request, num_new: int) -> None:
+        if not req.prompt_logprobs_done:
+            self._rows_left -= num_new
 
     def _prefix_hits(self, req: Request) -> list[int]:
         # Prompt logprobs need logits at every prompt position, so such prompts are computed whole.

@@ -22,6 +22,8 @@ def finish_step(s: Scheduler, out) -> None:
     """What the engine does after a forward: advance, and give samplers a token."""
     for item in out.scheduled:
         item.request.num_computed_tokens += item.num_new
+        if item.request.num_computed_tokens >= item.request.num_prompt_tokens:
+            item.request.prompt_logprobs_done = True
         s.publish_computed_blocks(item.request)
         if item.samples:
             item.request.append_token(7)
@@ -113,3 +115,17 @@ def test_remove_frees_blocks():
     s.schedule()
     s.remove(a)
     assert s.blocks.num_free_blocks == 64 and not s.has_work
+
+
+def test_prompt_logprob_prefills_get_their_own_smaller_budget():
+    s = Scheduler(BlockManager(64, 4), 8, 64, max_prompt_logprob_rows=10)
+    a, b, c = req("a", 8, prompt_logprobs=1), req("b", 8, prompt_logprobs=1), req("c", 8)
+    for r in (a, b, c):
+        s.add(r)
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new) for x in out.scheduled] == [
+        ("a", 8), ("b", 2), ("c", 8)]  # c scores nothing, so the row budget does not hold it
+    finish_step(s, out)
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new) for x in out.scheduled] == [
+        ("a", 1), ("b", 6), ("c", 1)]
