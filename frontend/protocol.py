@@ -42,7 +42,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
     temperature: Annotated[float, Meta(ge=0.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=-1)] = 0
+    top_k: Annotated[int, Meta(ge=-1, le=2**63 - 1)] = 0  # the engine's wire is int64
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
@@ -174,6 +174,12 @@ def max_tokens_for(req: CompletionRequest, prompt_len: int, max_model_len: int) 
                 f"This model's maximum context length is {limit} tokens. However, your request "
                 f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
                 "prompt",
+            )
+        if req.min_tokens > limit - prompt_len:
+            raise bad_request(
+                f"min_tokens ({req.min_tokens}) must not exceed the {limit - prompt_len} tokens "
+                f"left in the context after the prompt ({prompt_len} of {limit} tokens).",
+                "min_tokens",
             )
         return limit - prompt_len
     if prompt_len + req.max_tokens > limit:

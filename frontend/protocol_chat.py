@@ -53,7 +53,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
     temperature: Annotated[float, Meta(ge=0.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=-1)] = 0
+    top_k: Annotated[int, Meta(ge=-1, le=2**63 - 1)] = 0  # the engine's wire is int64
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
