@@ -30,7 +30,7 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
 
 
 def run_engine(model: str, prompts: list[list[int]], output_len: int, **config) -> float:
-    core = EngineCore(EngineConfig(model=model, **config))
+    core = EngineCore(EngineConfig(model=model, num_threads=torch.get_num_threads(), **config))
     for i, p in enumerate(prompts):  # warm-up request, not timed
         core.add_request(f"warm{i}", p[:8], SamplingParams(max_tokens=2, temperature=0.0))
         break
@@ -74,7 +74,11 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for both sides (default: torch's own choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = args.model or str(ensure_model())
     vocab = AutoModelForCausalLM.from_pretrained(model).config.vocab_size
     prompts = make_prompts(args.num_requests, args.input_len, vocab)
