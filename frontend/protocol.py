@@ -29,16 +29,11 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     continuous_usage_stats: bool = False
 
 
-class CompletionRequest(msgspec.Struct, kw_only=True):
-    """POST /v1/completions. Unknown fields are ignored, as OpenAI's server does."""
+class SamplingRequest(msgspec.Struct, kw_only=True):
+    """The fields completions and chat share. Unknown fields are ignored, as OpenAI's server does."""
 
-    prompt: Prompt
     model: str | None = None
-    echo: bool = False
-    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    max_tokens: NonNegInt | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
-    best_of: Annotated[int, Meta(ge=1)] | None = None
     seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
     temperature: Annotated[float, Meta(ge=0.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
@@ -55,10 +50,20 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     min_tokens: NonNegInt = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    return_tokens_as_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+
+
+class CompletionRequest(SamplingRequest, kw_only=True):
+    """POST /v1/completions."""
+
+    prompt: Prompt
+    echo: bool = False
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_tokens: NonNegInt | None = None
+    best_of: Annotated[int, Meta(ge=1)] | None = None
+    return_tokens_as_token_ids: bool = False
     suffix: str | None = None
 
 

@@ -15,9 +15,8 @@ from msgspec import Meta
 from frontend.errors import bad_request
 from frontend.protocol import (
     MAX_LOGPROBS,
-    MAX_N,
     CompletionRequest,
-    StreamOptions,
+    SamplingRequest,
     Usage,
     decode_request,
 )
@@ -42,35 +41,14 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     tool_calls: list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(msgspec.Struct, kw_only=True):
-    """POST /v1/chat/completions. Unknown fields are ignored, as OpenAI's server does."""
+class ChatCompletionRequest(SamplingRequest, kw_only=True):
+    """POST /v1/chat/completions: the shared sampling fields, plus the chat ones."""
 
     messages: list[ChatMessage]
-    model: str | None = None
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None  # wins over max_tokens
-    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
-    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
-    temperature: Annotated[float, Meta(ge=0.0)] = 1.0
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=-1, le=2**63 - 1)] = 0  # the engine's wire is int64
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
-    logit_bias: dict[str, float] | None = None
-    stop: str | list[str] | None = None
-    include_stop_str_in_output: bool = False
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: Annotated[int, Meta(ge=0)] = 0
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None  # handed to the chat template as they are
 
