@@ -1,0 +1,507 @@
+"""What the HTTP frontends sustain on their own: 1 frontend against 2 on one port, no model.
+
+    .venv/bin/python tests/bench/frontend_only.py [--num-prompts 256] [--input-len 128]
+        [--output-len 64] [--max-concurrency 64] [--frontends 1 2] [--repeats 1]
+        [--no-echo-logprobs] [--engine-step-ms 0]
+
+A no-op engine (tests/bench/noop_engine.py: the real ZeroMQ protocol, every token sent at
+once, one StepOutputs per frontend per loop iteration) stands in for the engine core, so every
+limit measured is the frontends' (HTTP, tokenization, output processing, detokenization, SSE).
+For each count in --frontends, that many `python -m frontend.server --reuse-port` processes
+share one port (SO_REUSEPORT: the kernel spreads connections over them); every group runs
+from the start, on its own port. The load generator of `tandem bench serve`
+(`frontend.bench.run_benchmark`) runs in this process: random prompts of exactly --input-len
+tokens, streamed completions of --output-len tokens (ignore_eos), all sent at once with at most
+--max-concurrency in flight. Two workloads, each run against every group in turn:
+
+- plain: streamed completions, nothing else;
+- echo+lp5: `echo` with `logprobs: 5` (the benchmark's --echo --logprobs 5), which loads the
+  prompt-logprob, detokenizer and text-offset path. TTFT then times the echoed prompt.
+
+With no step time, requests seldom overlap in the engine, so a StepOutputs carries about one
+request and a frontend handles one message per token (the rows/msg column); --engine-step-ms
+spaces the steps as a real engine's forward passes would, and each message then carries many.
+
+One unmeasured warm-up run per group (short outputs, same concurrency) comes first. Printed per
+run: requests/s, streamed tokens/s, the ratio to 1 frontend, TTFT, ITL and end-to-end p50 (the
+client's view; ITL is the gap between text chunks as read, ~0 with no engine step time since
+the chunks then arrive in bursts), rows per StepOutputs the engine sent, and CPU use during the timed
+round in percent of one core: each frontend, the engine, this process (the load generator) and
+the rest of the machine. Read the ratio next to the CPU columns: on a 2-core box the load
+generator, the engine and the frontends share two cores (with whatever else runs there), so a
+second frontend can only add what the first left idle; on a bigger, quiet box the same ratio
+shows how far frontends scale out. Child processes are stopped (SIGTERM, then SIGKILL after
+10 s) whatever happens; their logs go to a temporary folder, kept and named only on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+import zmq
+
+from frontend.bench import BenchConfig, BenchResult, Target, run_benchmark
+from shared.messages import UtilityRequest, UtilityResult
+from shared.transport import InputCodec, OutputCodec, configure
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+STARTUP_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 10.0
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+class ChildFailed(RuntimeError):
+    """A child process died or did not get ready in time."""
+
+
+class Children:
+    """Child processes with their log files; `stop_all` terminates, waits, then kills."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
+        with open(self.log_dir / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+            )
+        self.procs.append((name, proc))
+        return proc
+
+    def wait_ready(self, name: str, proc: subprocess.Popen[bytes], ready_file: Path) -> str:
+        """The content of `ready_file` once the child created it; ChildFailed if it died."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not ready_file.exists():
+            if proc.poll() is not None:
+                raise ChildFailed(f"{name} exited with {proc.returncode}\n{self.log_tail(name)}")
+            if time.monotonic() > deadline:
+                raise ChildFailed(
+                    f"{name} not ready in {STARTUP_TIMEOUT_S:g} s\n{self.log_tail(name)}"
+                )
+            time.sleep(0.05)
+        return ready_file.read_text().strip()
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        path = self.log_dir / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(f"  {name}| {line}" for line in text.splitlines()[-lines:])
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise ChildFailed(f"{name} exited with {proc.returncode}\n{self.log_tail(name)}")
+
+    def stop(self, procs: Sequence[tuple[str, subprocess.Popen[bytes]]]) -> None:
+        """SIGTERM all of `procs`, wait for each, SIGKILL those still alive after the wait."""
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for name, proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"  {name} (pid {proc.pid}) ignored SIGTERM; killing it", file=sys.stderr)
+                proc.kill()
+                proc.wait()
+        self.procs = [entry for entry in self.procs if entry not in procs]
+
+    def stop_all(self) -> None:
+        self.stop(list(reversed(self.procs)))  # frontends first, the engine last
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process (Linux /proc); 0.0 where unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def box_cpu_seconds() -> float:
+    """CPU seconds the whole machine has been busy (all processes, all cores; /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+        return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS
+    except (OSError, ValueError):
+        return 0.0
+
+
+def own_cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def engine_stats(address: str) -> dict[str, Any]:
+    """The no-op engine's "stats" utility (steps, rows, ...), over a DEALER of our own."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        configure(sock)
+        sock.connect(address)
+        sock.send(InputCodec().encode(UtilityRequest(0, "stats")))
+        if not sock.poll(5000):
+            return {}
+        msg = OutputCodec().decode(sock.recv())
+        return msg.result if isinstance(msg, UtilityResult) else {}
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+@dataclass(frozen=True)
+class Row:
+    workload: str
+    frontends: int
+    result: BenchResult
+    rows_per_msg: float
+    cpu_frontends: tuple[float, ...]  # percent of one core over the timed round, each
+    cpu_engine: float
+    cpu_client: float
+    cpu_other: float  # the rest of the machine (other processes) over the same window
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    echo: bool = False
+    logprobs: int | None = None
+
+
+PLAIN = Workload("plain")
+ECHO_LP = Workload("echo+lp5", echo=True, logprobs=5)
+
+
+def start_frontends(
+    children: Children, count: int, engine_address: str, log_dir: Path
+) -> tuple[int, list[tuple[str, subprocess.Popen[bytes]]]]:
+    port = free_port()
+    started = []
+    for i in range(count):
+        name = f"frontend{count}-{i}"
+        ready = log_dir / f"{name}.ready"
+        proc = children.start(
+            name,
+            [
+                "-m",
+                "frontend.server",
+                "--engine",
+                engine_address,
+                "--port",
+                str(port),
+                "--reuse-port",
+                "--ready-file",
+                str(ready),
+                "--shutdown-grace",
+                "2",
+                "--log-level",
+                "warning",
+            ],
+        )
+        started.append((name, proc, ready))
+    for name, proc, ready in started:
+        children.wait_ready(name, proc, ready)
+    return port, [(name, proc) for name, proc, _ in started]
+
+
+def bench_config(
+    args: argparse.Namespace,
+    port: int,
+    tokenizer: str,
+    workload: Workload,
+    *,
+    num_prompts: int | None = None,
+    output_len: int | None = None,
+) -> BenchConfig:
+    return BenchConfig(
+        target=Target(f"http://127.0.0.1:{port}"),
+        num_prompts=num_prompts or args.num_prompts,
+        input_len=args.input_len,
+        output_len=output_len or args.output_len,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        tokenizer=tokenizer,
+        logprobs=workload.logprobs,
+        echo=workload.echo,
+        disable_tqdm=True,
+    )
+
+
+class CpuSampler:
+    """A thread reading the CPU seconds of processes every `interval`, so that the CPU spent in
+    any window of the run (the timed round inside `run_benchmark`) can be read afterwards."""
+
+    def __init__(self, pids: dict[str, int | None], interval: float = 0.05) -> None:
+        self.pids = pids  # None: this process; "box" is added: the whole machine
+        self.interval = interval
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def _sample(self) -> None:
+        now = time.perf_counter()
+        cpu = {
+            name: own_cpu_seconds() if pid is None else cpu_seconds(pid)
+            for name, pid in self.pids.items()
+        }
+        cpu["box"] = box_cpu_seconds()
+        self.samples.append((now, cpu))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def at(self, when: float) -> dict[str, float]:
+        """CPU seconds per name at `when`, interpolated between the samples around it."""
+        times = [t for t, _ in self.samples]
+        i = min(max(bisect.bisect_left(times, when), 1), len(times) - 1)
+        (t0, c0), (t1, c1) = self.samples[i - 1], self.samples[i]
+        f = 0.0 if t1 <= t0 else min(max((when - t0) / (t1 - t0), 0.0), 1.0)
+        return {name: c0[name] + f * (c1[name] - c0[name]) for name in c0}
+
+    def percent(self, start: float, end: float) -> dict[str, float]:
+        """CPU use in [start, end] per name, in percent of one core."""
+        a, b = self.at(start), self.at(end)
+        return {name: 100 * (b[name] - a[name]) / max(end - start, 1e-9) for name in a}
+
+
+def measure(
+    args: argparse.Namespace,
+    port: int,
+    tokenizer: str,
+    workload: Workload,
+    engine: tuple[str, subprocess.Popen[bytes]],
+    frontends: list[tuple[str, subprocess.Popen[bytes]]],
+) -> Row:
+    address, engine_proc = engine
+    pids: dict[str, int | None] = {name: proc.pid for name, proc in frontends}
+    pids |= {"engine": engine_proc.pid, "client": None}
+    before = engine_stats(address)
+    with CpuSampler(pids) as sampler:
+        result = asyncio.run(run_benchmark(bench_config(args, port, tokenizer, workload)))
+        ended = time.perf_counter()
+    after = engine_stats(address)
+    # The timed round is the end of run_benchmark (loading the tokenizer and building the
+    # prompts come first, untimed): CPU is read over that window only.
+    summary = result.summary
+    cpu = sampler.percent(ended - summary.duration_s, ended)
+    messages = after.get("messages", 0) - before.get("messages", 0)
+    rows = after.get("rows", 0) - before.get("rows", 0)
+    if summary.failed:
+        errors = ", ".join(f"{n}x {e}" for e, n in summary.errors.items())
+        print(
+            f"  {workload.name} with {len(frontends)} frontend(s): {summary.failed} failed: "
+            f"{errors}",
+            file=sys.stderr,
+        )
+    return Row(
+        workload.name,
+        len(frontends),
+        result,
+        rows / messages if messages else 0.0,
+        tuple(cpu[name] for name, _ in frontends),
+        cpu["engine"],
+        cpu["client"],
+        max(0.0, cpu["box"] - sum(v for name, v in cpu.items() if name != "box")),
+    )
+
+
+def ms(stats: Any, digits: int = 1) -> str:
+    return "-" if stats is None else f"{stats.median:.{digits}f}"
+
+
+def format_table(args: argparse.Namespace, rows: list[Row]) -> str:
+    header = (
+        f"{'workload':<9} {'frontends':>9} {'req/s':>7} {'tok/s':>7} {'vs 1 FE':>7} "
+        f"{'TTFT p50 ms':>11} {'ITL p50 ms':>10} {'E2E p50 ms':>10} {'ok':>5} "
+        f"{'rows/msg':>8} {'CPU% FE':>9} {'engine':>6} {'client':>6} {'other':>5}"
+    )
+    lines = [
+        (
+            f"frontend-only: no-op engine, {args.num_prompts} requests, {args.input_len}-token "
+            f"prompts, {args.output_len} output tokens, max concurrency {args.max_concurrency}, "
+            f"streaming; {os.cpu_count()} CPUs"
+        ),
+        header,
+        "-" * len(header),
+    ]
+    ones: dict[str, list[float]] = {}
+    for row in rows:
+        if row.frontends == 1:
+            ones.setdefault(row.workload, []).append(row.result.summary.output_throughput)
+    for row in rows:
+        s = row.result.summary
+        base = statistics.fmean(ones.get(row.workload) or [0.0])
+        ratio = f"x{s.output_throughput / base:.2f}" if base and row.frontends != 1 else "-"
+        lines.append(
+            f"{row.workload:<9} {row.frontends:>9} {s.request_throughput:>7.1f} "
+            f"{s.output_throughput:>7.0f} {ratio:>7} {ms(s.ttft_ms):>11} "
+            f"{ms(s.itl_ms, 3):>10} {ms(s.e2el_ms):>10} {s.completed:>5} "
+            f"{row.rows_per_msg:>8.2f} {'+'.join(f'{c:.0f}' for c in row.cpu_frontends):>9} "
+            f"{row.cpu_engine:>6.0f} {row.cpu_client:>6.0f} {row.cpu_other:>5.0f}"
+        )
+    lines += [
+        "vs 1 FE: streamed tokens/s over that of 1 frontend, same workload (mean of its runs).",
+        "ITL: gaps between text chunks as the client reads them (~0 with no engine step time: "
+        + "they come in bursts). With echo, TTFT times the echoed prompt.",
+        f"CPU%: of one core ({os.cpu_count()} cores) during the timed round: each frontend, "
+        + "the engine, this process, other processes. rows/msg: requests per StepOutputs.",
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, log_dir: Path, children: Children) -> list[Row]:
+    from engine_core.default_model import DEFAULT, ensure_model
+
+    model = str(ensure_model())
+    engine_ready = log_dir / "engine.ready"
+    engine_proc = children.start(
+        "engine",
+        [
+            str(HERE / "noop_engine.py"),
+            "--model",
+            model,
+            "--served-model-name",
+            DEFAULT.name,
+            "--ready-file",
+            str(engine_ready),
+            "--step-interval",
+            str(args.engine_step_ms / 1000),
+        ],
+    )
+    address = children.wait_ready("engine", engine_proc, engine_ready)
+    workloads = [PLAIN] + ([] if args.no_echo_logprobs else [ECHO_LP])
+    # Every group of frontends (one port each) runs from the start and the groups take turns
+    # per workload, so that drift in the machine's other load hits them alike; an idle group
+    # costs only its heartbeats.
+    groups = [start_frontends(children, count, address, log_dir) for count in args.frontends]
+    for port, _ in groups:
+        warm = bench_config(
+            args,
+            port,
+            model,
+            PLAIN,
+            num_prompts=min(args.num_prompts, 2 * args.max_concurrency),
+            output_len=min(args.output_len, 8),
+        )
+        asyncio.run(run_benchmark(warm))
+    rows = []
+    for _ in range(args.repeats):
+        for workload in workloads:
+            for port, frontends in groups:
+                children.check_alive()
+                row = measure(args, port, model, workload, (address, engine_proc), frontends)
+                rows.append(row)
+                s = row.result.summary
+                print(
+                    f"  {workload.name:<9} {len(frontends)} frontend(s): "
+                    f"{s.duration_s:6.2f} s, {s.request_throughput:7.1f} req/s, "
+                    f"{s.output_throughput:8.0f} tok/s",
+                    flush=True,
+                )
+    children.check_alive()
+    return rows
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--max-concurrency", type=int, default=64)
+    parser.add_argument(
+        "--frontends",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="frontend counts to run, in order (ratios are against 1)",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="measured runs per workload")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--engine-step-ms",
+        type=float,
+        default=0.0,
+        help="least time between the no-op engine's steps (0: none; e.g. 20 to batch like a "
+        "real engine, so that each StepOutputs carries many requests)",
+    )
+    parser.add_argument(
+        "--no-echo-logprobs", action="store_true", help="skip the echo + logprobs 5 workload"
+    )
+    args = parser.parse_args(argv)
+    for name in ("num_prompts", "input_len", "output_len", "max_concurrency", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.engine_step_ms < 0:
+        parser.error("--engine-step-ms must be at least 0")
+    if any(n < 1 for n in args.frontends):
+        parser.error("--frontends takes counts of at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM -> SystemExit, so the finally below stops the children.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    log_dir = Path(tempfile.mkdtemp(prefix="tandem-frontend-bench-"))
+    children = Children(log_dir)
+    ok = False
+    try:
+        started = time.perf_counter()
+        rows = run(args, log_dir, children)
+        print()
+        print(format_table(args, rows))
+        print(f"total {time.perf_counter() - started:.0f} s")
+        ok = all(r.result.summary.failed == 0 for r in rows)
+    except ChildFailed as exc:
+        print(f"frontend_only: {exc}", file=sys.stderr)
+    finally:
+        children.stop_all()
+        if ok:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        else:
+            print(f"child logs kept in {log_dir}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
