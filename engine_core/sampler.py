@@ -65,8 +65,11 @@ class Sampler:
         top = None
         if len(rows):
             k = max(reqs[i].params.logprobs or 0 for i in rows)
-            idx = torch.from_numpy(rows)
-            top = token_logprobs(logits[idx], tokens[idx], k)
+            if len(rows) == len(reqs):  # nothing reads the logits after this: let it consume them
+                top = token_logprobs(logits, tokens, k)
+            else:
+                idx = torch.from_numpy(rows)
+                top = token_logprobs(logits[idx], tokens[idx], k)
         return SamplerOutput(tokens.numpy(), rows, top)
 
     def _process(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
