@@ -1,14 +1,17 @@
-"""Tokenizer fixtures for the output-processing tests: the real production tokenizers, written
-once per session (no model is built)."""
+"""Unit-test fixtures: the real production tokenizers (written once per session, no model is
+built), and a fake engine with a frontend app client for the HTTP-layer tests."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
 
 from engine_core.default_model import DEFAULT, TINY_QWEN2, TinySpec, write_tokenizer
+from frontend.server import init_app
+from tests.unit.fake_engine import FakeEngine, cached_tokenizer, frontend_config
 
 
 def _load(spec: TinySpec, tmp_path_factory: pytest.TempPathFactory) -> Any:
@@ -33,3 +36,18 @@ def qwen2_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def byte_bpe_tokenizer(request: pytest.FixtureRequest) -> Any:
     """Each production tokenizer in turn."""
     return request.getfixturevalue(f"{request.param}_tokenizer")
+
+
+@pytest.fixture
+def engine() -> Iterator[FakeEngine]:
+    """A fake engine on a real ZeroMQ socket (a test may stop it early to play a dead engine)."""
+    fake = FakeEngine().start()
+    yield fake
+    if fake._thread.is_alive():
+        fake.stop()
+
+
+@pytest.fixture
+async def client(aiohttp_client: Any, engine: FakeEngine) -> Any:
+    """An aiohttp test client of the frontend app, talking to the fake engine."""
+    return await aiohttp_client(init_app(frontend_config(engine), cached_tokenizer))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import zmq
@@ -31,14 +31,6 @@ from shared.transport import InputCodec, OutputCodec
 from tests.unit.fake_engine import FakeEngine
 
 PROMPT = [128000, 9906, 1917, 0]
-
-
-@pytest.fixture
-def engine() -> Iterator[FakeEngine]:
-    fake = FakeEngine().start()
-    yield fake
-    if fake._thread.is_alive():
-        fake.stop()
 
 
 @pytest.fixture

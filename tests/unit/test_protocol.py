@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -15,9 +14,8 @@ from frontend.protocol import (
     parse_logit_bias,
     split_prompts,
 )
-from frontend.server import init_app
 from frontend.serving_completions import sampling_params
-from tests.unit.fake_engine import FakeEngine, cached_tokenizer, frontend_config
+from tests.unit.fake_engine import FakeEngine
 
 BAD = [
     ({}, "prompt"),
@@ -61,18 +59,6 @@ BAD = [
     ({"seed": "1"}, "seed"),
     ({"seed": 2**64}, "seed"),
 ]
-
-
-@pytest.fixture
-def engine() -> Iterator[FakeEngine]:
-    fake = FakeEngine().start()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture
-async def client(aiohttp_client: Any, engine: FakeEngine) -> Any:
-    return await aiohttp_client(init_app(frontend_config(engine), cached_tokenizer))
 
 
 async def error_of(resp: Any, status: int) -> dict[str, Any]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import jinja2
@@ -14,7 +13,6 @@ from aiohttp.test_utils import TestClient
 
 from frontend.errors import OpenAIError
 from frontend.protocol_chat import ChatMessage
-from frontend.server import init_app
 from frontend.serving_chat import render_chat
 from shared.messages import as_ints
 from tests.unit.fake_engine import (
@@ -22,25 +20,11 @@ from tests.unit.fake_engine import (
     EOS,
     FakeEngine,
     cached_tokenizer,
-    frontend_config,
     tokenizer_folder,
 )
 
 Client = TestClient  # type: ignore[type-arg]
 USER = [{"role": "user", "content": "Party 🎉 你好 and more words"}]
-
-
-@pytest.fixture
-def engine() -> Iterator[FakeEngine]:
-    fake = FakeEngine().start()
-    yield fake
-    if fake._thread.is_alive():
-        fake.stop()
-
-
-@pytest.fixture
-async def client(aiohttp_client: Any, engine: FakeEngine) -> AsyncIterator[Client]:
-    yield await aiohttp_client(init_app(frontend_config(engine), cached_tokenizer))
 
 
 def template_ids(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -15,14 +15,6 @@ from tests.unit.fake_engine import FakeEngine, cached_tokenizer, frontend_config
 
 Client = TestClient  # type: ignore[type-arg]
 MakeClient = Callable[..., Awaitable[Client]]
-
-
-@pytest.fixture
-def engine() -> Iterator[FakeEngine]:
-    fake = FakeEngine().start()
-    yield fake
-    if fake._thread.is_alive():
-        fake.stop()
 
 
 @pytest.fixture

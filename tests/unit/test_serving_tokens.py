@@ -3,36 +3,21 @@ shapes lm-evaluation-harness's remote tokenizer reads."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
 
-from frontend.server import init_app
 from tests.unit.fake_engine import (
     BOS,
     EOS,
     FakeEngine,
     cached_tokenizer,
-    frontend_config,
     tokenizer_folder,
 )
 
 Client = TestClient  # type: ignore[type-arg]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好 🎉"}]
-
-
-@pytest.fixture
-def engine() -> Iterator[FakeEngine]:
-    fake = FakeEngine().start()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture
-async def client(aiohttp_client: Any, engine: FakeEngine) -> AsyncIterator[Client]:
-    yield await aiohttp_client(init_app(frontend_config(engine), cached_tokenizer))
 
 
 @pytest.fixture
