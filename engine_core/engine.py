@@ -38,7 +38,7 @@ class EngineCore:
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
                                    config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler(self.facts.eos_token_ids, self.facts.vocab_size, config.seed)
+        self.sampler = Sampler(self.facts.eos_token_ids, config.seed)
         self.requests: dict[str, Request] = {}
         self._refused: list[Row] = []
         self._arrivals = itertools.count()

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from shared.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_core.sampler import TopLogprobs
 
 
 class Status(enum.Enum):
@@ -32,9 +36,8 @@ class Request:
         self.block_hashes: list[int] = []  # hash chain over the full blocks of all_token_ids
         self.num_published_blocks = 0  # leading blocks already in the prefix cache
         self.status = Status.WAITING
-        self.num_cached_tokens = 0  # prefix-cache hit at the last admission
         self.prompt_logprobs_done = params.prompt_logprobs is None
-        self.prompt_logprob_chunks: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.prompt_logprob_chunks: list[TopLogprobs] = []  # until the prompt is scored whole
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

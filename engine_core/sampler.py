@@ -52,9 +52,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> TopLog
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: Sequence[int], vocab_size: int, seed: int = 0) -> None:
+    def __init__(self, eos_token_ids: Sequence[int], seed: int = 0) -> None:
         self.eos_token_ids = list(eos_token_ids)
-        self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> SamplerOutput:

@@ -143,7 +143,7 @@ class Scheduler:
             self.blocks.stats.queries += req.num_tokens
             self.blocks.stats.hits += num_computed
             req.block_ids = hits + fresh
-            req.num_computed_tokens = req.num_cached_tokens = num_computed
+            req.num_computed_tokens = num_computed
             req.num_published_blocks = len(hits)
             req.status = Status.RUNNING
             self.running.append(req)

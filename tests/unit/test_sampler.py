@@ -16,7 +16,7 @@ PROBS = torch.tensor([0.1, 0.2, 0.3, 0.4])
 def draw(n: int, **params) -> torch.Tensor:
     reqs = [Request(f"r{i}", [1], SamplingParams(**params)) for i in range(n)]
     logits = PROBS.log().repeat(n, 1)
-    return torch.from_numpy(Sampler([], 4, seed=0)(logits, reqs).token_ids)
+    return torch.from_numpy(Sampler([], seed=0)(logits, reqs).token_ids)
 
 
 def freqs(tokens: torch.Tensor) -> torch.Tensor:
@@ -45,12 +45,12 @@ def test_seeded_rows_repeat_whatever_the_batch():
     seeded = Request("s", [1], SamplingParams(temperature=1.0, seed=42))
     alone = []
     for _ in range(5):
-        alone += Sampler([], 4, seed=1)(PROBS.log()[None], [seeded]).token_ids.tolist()
+        alone += Sampler([], seed=1)(PROBS.log()[None], [seeded]).token_ids.tolist()
     seeded = Request("s", [1], SamplingParams(temperature=1.0, seed=42))
     crowd = []
     for step in range(5):
         others = [Request(f"o{i}", [1], SamplingParams(temperature=1.0)) for i in range(step + 2)]
-        out = Sampler([], 4, seed=step)(PROBS.log().repeat(len(others) + 1, 1), others + [seeded])
+        out = Sampler([], seed=step)(PROBS.log().repeat(len(others) + 1, 1), others + [seeded])
         crowd.append(int(out.token_ids[-1]))
     assert alone == crowd
 
