@@ -112,7 +112,7 @@ class EngineCore:
         samplers = [s.request for s in sched.scheduled if s.samples]
         sampled = None
         if samplers:
-            sampled = self.sampler(self.runner.compute_logits(hidden[plan.num_prompt_rows:]), samplers)
+            sampled = self.sampler(self.runner.head, hidden[plan.num_prompt_rows:], samplers)
         prompt_lps = self._prompt_logprobs(sched.scheduled, plan, hidden)
         rows: list[Row] = []
         for s in sched.scheduled:
@@ -185,8 +185,7 @@ class EngineCore:
                 b = min(hi, a + PROMPT_LOGITS_ROWS)
                 first = s.start + 1 + a - lo  # logits at position p score prompt token p + 1
                 targets = torch.tensor(req.prompt_token_ids[first:first + b - a])
-                logits = self.runner.compute_logits(hidden[a:b]).cpu()
-                req.prompt_logprob_chunks.append(token_logprobs(logits, targets, k))
+                req.prompt_logprob_chunks.append(token_logprobs(self.runner.head, hidden[a:b], targets, k))
             if s.start + s.num_new >= req.num_prompt_tokens:
                 done[req.request_id] = _concat(req.prompt_logprob_chunks, req.params.prompt_logprobs or 0)
                 req.prompt_logprob_chunks = []

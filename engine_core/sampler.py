@@ -1,11 +1,16 @@
-"""Batched sampling and logprobs for one step.
+"""Batched sampling and logprobs for one step, on top of one LM-head scan (lm_head.py).
 
 Logprobs are those of the model's raw distribution (log_softmax of the logits, before
 temperature, penalties or truncation), as OpenAI and vLLM report them, and are computed only
 for the rows that asked. Sampling draws by inverse CDF: one uniform number per row, found in
 the row's cumulative distribution (an exponential race would need a random number per
-vocabulary entry: 128k logs per row per step), two-level so no scan covers the vocabulary. A request with a seed draws its number from its
-own generator, so its tokens do not depend on what else shares the batch.
+vocabulary entry: 128k logs per row per step), two-level so no scan covers the vocabulary: the
+block sums come out of the head's scan, then one block of 256 is searched. A request with a
+seed draws its number from its own generator, so its tokens do not depend on what else shares
+the batch.
+
+Rows with logit bias, penalties, a pending min_tokens or top-k/top-p/min-p truncation take the
+general path: their logits are copied out of the scan, processed and searched whole.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from engine_core.lm_head import BLOCK, LMHead, Scan
 from engine_core.request import Request
 
 _GREEDY_EPS = 1e-5
@@ -33,22 +39,29 @@ class SamplerOutput(NamedTuple):
     logprobs: TopLogprobs | None
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> TopLogprobs:
-    """Logprob and rank of `tokens` under `logits` rows, plus each row's top-k.
+def token_logprobs(head: LMHead, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> TopLogprobs:
+    """Logprob and rank of `tokens` under the logits of `hidden` rows, plus each row's top-k."""
+    scan = head.scan(hidden, lse=True, top_k=k)
+    return _logprobs(head, scan, torch.arange(len(tokens)), tokens, k)
 
-    Consumes `logits` (overwritten in place): on a 128k vocabulary every vocab-sized temporary
-    costs more than the arithmetic, so the passes are max (free from the top-k), exp in place,
-    sum, and one comparison count. exp is monotonic, so ranks compare exp(x - max) directly.
-    """
-    chosen = logits.gather(1, tokens[:, None])
-    top_vals, top_ids = logits.topk(max(k, 1), dim=-1)
-    peak = top_vals[:, :1].clone()
-    weights = logits.sub_(peak).exp_()
-    lse = peak + weights.sum(-1, keepdim=True).log_()
-    ranks = weights.gt_((chosen - peak).exp_()).sum(-1) + 1
-    return TopLogprobs((chosen - lse)[:, 0].numpy().astype(np.float32),
-                       ranks.numpy().astype(np.int32), top_ids[:, :k].numpy().astype(np.int32),
-                       (top_vals[:, :k] - lse).numpy().astype(np.float32))
+
+def _logprobs(head: LMHead, scan: Scan, rows: torch.Tensor, tokens: torch.Tensor, k: int) -> TopLogprobs:
+    """Logprobs of `tokens` (one per row of `rows`) from a scan made with lse and top_k >= k.
+    A row's argmax has rank 1 without counting; other tokens are ranked by one more pass."""
+    assert scan.lse is not None
+    chosen = scan.logits[rows.to(scan.logits.device), tokens.to(scan.logits.device)].cpu()
+    lse = scan.lse[rows]
+    ranks = torch.ones(len(rows), dtype=torch.int64)
+    recount = torch.nonzero(tokens != scan.argmax[rows])[:, 0]
+    if len(recount):
+        ranks[recount] += head.count_above(scan, rows[recount], chosen[recount])
+    if k:
+        assert scan.top_vals is not None and scan.top_ids is not None
+        top_ids, top_lps = scan.top_ids[rows, :k], scan.top_vals[rows, :k] - lse[:, None]
+    else:
+        top_ids, top_lps = torch.zeros(len(rows), 0, dtype=torch.int64), torch.zeros(len(rows), 0)
+    return TopLogprobs((chosen - lse).numpy().astype(np.float32), ranks.numpy().astype(np.int32),
+                       top_ids.numpy().astype(np.int32), top_lps.numpy().astype(np.float32))
 
 
 class Sampler:
@@ -56,34 +69,69 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> SamplerOutput:
-        logits = logits.cpu()
-        processed = self._process(logits, reqs)
-        tokens = self._draw(processed, reqs)
-        rows = np.array([i for i, r in enumerate(reqs) if r.params.logprobs is not None], dtype=np.int64)
+    def __call__(self, head: LMHead, hidden: torch.Tensor, reqs: Sequence[Request]) -> SamplerOutput:
+        """One token per row of `hidden` (the final hidden state of each of `reqs`)."""
+        general = [i for i, r in enumerate(reqs) if self._needs_general_path(r, head.vocab)]
+        skip = set(general)
+        fast_sampled = [i for i, r in enumerate(reqs)
+                        if r.params.temperature >= _GREEDY_EPS and i not in skip]
+        lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        k = max((reqs[i].params.logprobs or 0 for i in lp_rows), default=0)
+        fast = torch.tensor(fast_sampled, dtype=torch.int64)
+        temps = torch.tensor([reqs[i].params.temperature for i in fast_sampled])
+        scan = head.scan(hidden, lse=bool(lp_rows), top_k=k,
+                         sample_rows=fast if fast_sampled else None, temperatures=temps)
+        tokens = scan.argmax.clone()  # greedy rows are done
+        if fast_sampled:
+            tokens[fast] = self._draw_from_blocks(scan, fast, temps, [reqs[i] for i in fast_sampled])
+        if general:
+            idx = torch.tensor(general, dtype=torch.int64)
+            logits = scan.logits[idx.to(scan.logits.device)].cpu()
+            tokens[idx] = self._draw_general(logits, [reqs[i] for i in general])
+        rows = np.array(lp_rows, dtype=np.int64)
         top = None
-        if len(rows):
-            k = max(reqs[i].params.logprobs or 0 for i in rows)
-            if len(rows) == len(reqs):  # nothing reads the logits after this: let it consume them
-                top = token_logprobs(logits, tokens, k)
-            else:
-                idx = torch.from_numpy(rows)
-                top = token_logprobs(logits[idx], tokens[idx], k)
+        if lp_rows:
+            lp = torch.from_numpy(rows)
+            top = _logprobs(head, scan, lp, tokens[lp], k)
         return SamplerOutput(tokens.numpy(), rows, top)
 
-    def _process(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        """Bias, min_tokens and penalties; copies the logits only when something applies."""
-        out = logits
+    @staticmethod
+    def _needs_general_path(req: Request, vocab: int) -> bool:
+        p = req.params
+        processed = bool(p.logit_bias or req.num_output_tokens < p.min_tokens
+                         or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
+        truncated = p.temperature >= _GREEDY_EPS and (0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0)
+        return processed or truncated
+
+    def _uniforms(self, reqs: Sequence[Request]) -> torch.Tensor:
+        u = torch.rand(len(reqs), 1, generator=self.generator)
+        for j, req in enumerate(reqs):
+            if req.generator is not None:
+                u[j] = torch.rand(1, generator=req.generator)
+        return u
+
+    def _draw_from_blocks(self, scan: Scan, rows: torch.Tensor, temps: torch.Tensor,
+                          reqs: Sequence[Request]) -> torch.Tensor:
+        assert scan.block_sums is not None
+        vocab = scan.logits.shape[1]
+        block, rest = _pick_block(scan.block_sums, self._uniforms(reqs))
+        cols = block[:, None] * BLOCK + torch.arange(BLOCK)
+        dev = scan.logits.device
+        vals = scan.logits[rows.to(dev)[:, None], cols.clamp(max=vocab - 1).to(dev)].cpu()
+        weights = ((vals - scan.max[rows, None]) / temps[:, None]).exp_().masked_fill_(cols >= vocab, 0.0)
+        return (block * BLOCK + _pick_within(weights, rest)).clamp_(max=vocab - 1)
+
+    def _draw_general(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         for i, req in enumerate(reqs):
-            p = req.params
-            touched = (p.logit_bias or req.num_output_tokens < p.min_tokens
-                       or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
-            if not touched:
-                continue
-            if out is logits:
-                out = logits.clone()
-            self._process_row(out[i], req)
-        return out
+            self._process_row(logits[i], req)
+        temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
+        tokens = logits.argmax(-1)
+        rand = torch.nonzero(temps >= _GREEDY_EPS)[:, 0]
+        if len(rand):
+            scaled = logits[rand] / temps[rand, None]
+            weights = _truncated_probs(scaled, [reqs[int(i)] for i in rand])
+            tokens[rand] = inverse_cdf(weights, self._uniforms([reqs[int(i)] for i in rand]))
+        return tokens
 
     def _process_row(self, row: torch.Tensor, req: Request) -> None:
         p = req.params
@@ -102,35 +150,8 @@ class Sampler:
             ids, counts = torch.tensor(req.output_token_ids).unique(return_counts=True)
             row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
 
-    def _draw(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
-        greedy = temps < _GREEDY_EPS
-        if bool(greedy.all()):
-            return logits.argmax(-1)
-        if bool(greedy.any()):
-            tokens = logits.argmax(-1)
-            rand = torch.nonzero(~greedy)[:, 0]
-            tokens[rand] = self._sample(logits[rand], temps[rand], [reqs[int(i)] for i in rand])
-            return tokens
-        return self._sample(logits, temps, reqs)
 
-    def _sample(self, logits: torch.Tensor, temps: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        """Inverse-CDF draw: one uniform number per row, found in the row's cumulative
-        (unnormalised) distribution. `logits` is left untouched (logprobs read it later)."""
-        scaled = logits if bool((temps == 1.0).all()) else logits / temps[:, None]
-        if any(0 < r.params.top_k < logits.shape[1] or r.params.top_p < 1.0 or r.params.min_p > 0
-               for r in reqs):
-            weights = _truncated_probs(scaled, reqs)
-        else:  # torch's fused per-row softmax: 2x faster than max, exp, sum as separate passes
-            weights = torch.softmax(scaled, -1)
-        u = torch.rand(len(reqs), 1, generator=self.generator, dtype=weights.dtype)
-        for j, req in enumerate(reqs):
-            if req.generator is not None:
-                u[j] = torch.rand(1, generator=req.generator, dtype=weights.dtype)
-        return inverse_cdf(weights, u)
-
-
-def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = 256) -> torch.Tensor:
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """Per row, the index i with cdf[i-1] <= u * total < cdf[i] (weights >= 0, unnormalised).
 
     Two levels, so no scan runs over the whole vocabulary: block sums (a vectorised reduction),
@@ -142,14 +163,23 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = 256) -> tor
     if nblocks * block != vocab:
         weights = torch.nn.functional.pad(weights, (0, nblocks * block - vocab))
     blocks = weights.view(rows, nblocks, block)
-    outer = blocks.sum(-1).cumsum_(-1)
+    b, rest = _pick_block(blocks.sum(-1), u)
+    return b * block + _pick_within(blocks[torch.arange(rows), b], rest)
+
+
+def _pick_block(block_sums: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block holding each row's target u * total, and what is left of the target in it."""
+    outer = block_sums.cumsum(-1)
     target = _below(u * outer[:, -1:], outer[:, -1:])
-    b = torch.searchsorted(outer, target, right=True).clamp_(max=nblocks - 1)
+    b = torch.searchsorted(outer, target, right=True).clamp_(max=outer.shape[1] - 1)
     before = torch.where(b > 0, outer.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target))
-    inner = blocks[torch.arange(rows), b[:, 0]].cumsum(-1)
-    rest = _below(target - before, inner[:, -1:])
-    j = torch.searchsorted(inner, rest, right=True).clamp_(max=block - 1)
-    return (b * block + j)[:, 0]
+    return b[:, 0], target - before
+
+
+def _pick_within(weights: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+    inner = weights.cumsum(-1)
+    rest = _below(rest, inner[:, -1:])
+    return torch.searchsorted(inner, rest, right=True).clamp_(max=weights.shape[1] - 1)[:, 0]
 
 
 def _below(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:

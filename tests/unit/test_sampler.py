@@ -1,4 +1,8 @@
-"""The sampler on synthetic logits: the draw follows the distribution, truncations cut it."""
+"""The sampler on synthetic logits: the draw follows the distribution, truncations cut it.
+
+Logits reach the sampler through an LM head: `head_for(logits)` is a one-dimensional head whose
+weight column is the logits row, so `ones @ weight.T` gives them back exactly.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import math
 
 import torch
 
+from engine_core.lm_head import BLOCK, LMHead
 from engine_core.request import Request
 from engine_core.sampler import Sampler, token_logprobs
 from shared.messages import SamplingParams
@@ -13,10 +18,18 @@ from shared.messages import SamplingParams
 PROBS = torch.tensor([0.1, 0.2, 0.3, 0.4])
 
 
+def head_for(logits: torch.Tensor, **kwargs) -> LMHead:
+    return LMHead(logits[:, None].clone(), **kwargs)
+
+
+def sample(logits: torch.Tensor, reqs: list[Request], seed: int = 0, **head) -> torch.Tensor:
+    out = Sampler([], seed=seed)(head_for(logits, **head), torch.ones(len(reqs), 1), reqs)
+    return torch.from_numpy(out.token_ids)
+
+
 def draw(n: int, **params) -> torch.Tensor:
     reqs = [Request(f"r{i}", [1], SamplingParams(**params)) for i in range(n)]
-    logits = PROBS.log().repeat(n, 1)
-    return torch.from_numpy(Sampler([], seed=0)(logits, reqs).token_ids)
+    return sample(PROBS.log(), reqs)
 
 
 def freqs(tokens: torch.Tensor) -> torch.Tensor:
@@ -45,21 +58,21 @@ def test_seeded_rows_repeat_whatever_the_batch():
     seeded = Request("s", [1], SamplingParams(temperature=1.0, seed=42))
     alone = []
     for _ in range(5):
-        alone += Sampler([], seed=1)(PROBS.log()[None], [seeded]).token_ids.tolist()
+        alone += sample(PROBS.log(), [seeded], seed=1).tolist()
     seeded = Request("s", [1], SamplingParams(temperature=1.0, seed=42))
     crowd = []
     for step in range(5):
         others = [Request(f"o{i}", [1], SamplingParams(temperature=1.0)) for i in range(step + 2)]
-        out = Sampler([], seed=step)(PROBS.log().repeat(len(others) + 1, 1), others + [seeded])
-        crowd.append(int(out.token_ids[-1]))
+        crowd.append(int(sample(PROBS.log(), others + [seeded], seed=step)[-1]))
     assert alone == crowd
 
 
 def test_token_logprobs_match_log_softmax():
-    logits = torch.randn(5, 50)
-    tokens = torch.tensor([0, 7, 49, 3, 3])
-    out = token_logprobs(logits.clone(), tokens, 4)  # it consumes its input
-    ref = torch.log_softmax(logits, -1)
+    hidden, weight = torch.randn(5, 8), torch.randn(700, 8)
+    tokens = torch.tensor([0, 7, 699, 3, 3])
+    head = LMHead(weight, chunk=BLOCK, workers=2)  # three chunks, the last one partial
+    out = token_logprobs(head, hidden, tokens, 4)
+    ref = torch.log_softmax(hidden @ weight.T, -1)
     assert torch.allclose(torch.from_numpy(out.logprobs), ref[torch.arange(5), tokens], atol=1e-6)
     ranks = (ref > ref[torch.arange(5), tokens][:, None]).sum(-1) + 1
     assert out.ranks.tolist() == ranks.tolist()
@@ -80,3 +93,18 @@ def test_inverse_cdf_finds_the_right_bucket_and_skips_zero_weights():
     u = torch.rand(4, 1)
     expected = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
     assert (inverse_cdf(dense, u, block=100) - expected).abs().max() <= 1  # float rounding only
+
+
+def test_block_path_follows_the_distribution_across_chunks():
+    """Sampled rows over several vocabulary chunks (a partial last block): frequencies match
+    softmax(logits / T); with a seed, repeats match whatever the batch."""
+    vocab = 600
+    logits = torch.full((vocab,), -30.0)
+    hot = torch.tensor([3, 255, 256, 300, 511, 599])
+    logits[hot] = torch.tensor([0.5, 1.0, 0.0, 2.0, 1.5, 1.0])
+    for temp in (1.0, 0.7):
+        reqs = [Request(f"r{i}", [1], SamplingParams(temperature=temp)) for i in range(20000)]
+        tokens = sample(logits, reqs, chunk=BLOCK, workers=2)
+        expected = torch.softmax(logits / temp, -1)[hot]
+        got = torch.bincount(tokens, minlength=vocab)[hot].float() / len(tokens)
+        assert torch.allclose(got, expected, atol=0.015), (temp, got, expected)
