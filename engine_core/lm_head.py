@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,7 @@ class ChunkPool:
         if self._helpers is None or n < 2:
             return [fn(i) for i in range(n)]
         results: list = [None] * n
-        errors: list[BaseException] = []
+        errors: list[Exception] = []
         tickets = itertools.count()  # next() is atomic under the GIL
         left = [n]
         lock, done = threading.Lock(), threading.Event()
@@ -57,12 +58,13 @@ class ChunkPool:
                         return
                     try:
                         results[i] = fn(i)
-                    except BaseException as e:  # re-raised on the calling thread
+                    except Exception as e:  # noqa: BLE001 - re-raised on the calling thread
                         errors.append(e)
-                    with lock:
-                        left[0] -= 1
-                        if left[0] == 0:
-                            done.set()
+                    finally:
+                        with lock:
+                            left[0] -= 1
+                            if left[0] == 0:
+                                done.set()
 
         for _ in range(self.workers - 1):
             self._helpers.submit(work)
@@ -138,14 +140,14 @@ class LMHead:
         the inverse CDF's block sums."""
         rows = hidden.shape[0]
         logits = torch.empty(rows, self.vocab, dtype=torch.float32, device=self.device)
-        temps = None
+        temps = torch.ones(0, 1)
         if sample_rows is not None:
             assert temperatures is not None
             sample_rows = sample_rows.to(self.device)
             temps = temperatures.to(self.device, torch.float32)[:, None]
         # when every row samples at T=1 and the logsumexp is wanted, one exp serves both
         shared_exp = (lse and sample_rows is not None and len(sample_rows) == rows
-                      and bool((temperatures == 1.0).all()))
+                      and bool((temps == 1.0).all()))
 
         def one(i: int) -> _ChunkStats:
             a, b = self.bounds[i]
@@ -169,23 +171,21 @@ class LMHead:
 
     @staticmethod
     def _combine(logits: torch.Tensor, stats: list[_ChunkStats], sample_rows: torch.Tensor | None,
-                 temps: torch.Tensor | None) -> Scan:
+                 temps: torch.Tensor) -> Scan:
         maxes = torch.stack([s.max for s in stats], 1)  # [R, chunks]
         peak, which = maxes.max(1)  # the first chunk holding the max: torch.argmax's tie rule
         argmax = torch.stack([s.argmax for s in stats], 1).gather(1, which[:, None])[:, 0]
         lse = top_vals = top_ids = block_sums = None
-        if stats[0].sumexp is not None:
-            sums = torch.stack([s.sumexp for s in stats], 1)
-            lse = peak + (sums * (maxes - peak[:, None]).exp()).sum(1).log()
-        if stats[0].top_vals is not None:
-            vals = torch.cat([s.top_vals for s in stats], 1)
-            ids = torch.cat([s.top_ids for s in stats], 1)
-            top_vals, j = vals.topk(stats[0].top_vals.shape[1], -1)
+        if sums := _present(s.sumexp for s in stats):
+            lse = peak + (torch.stack(sums, 1) * (maxes - peak[:, None]).exp()).sum(1).log()
+        if vals := _present(s.top_vals for s in stats):
+            ids = torch.cat(_present(s.top_ids for s in stats), 1)
+            top_vals, j = torch.cat(vals, 1).topk(vals[0].shape[1], -1)
             top_ids = ids.gather(1, j)
         if sample_rows is not None:
-            assert temps is not None
             scale = ((maxes[sample_rows] - peak[sample_rows, None]) / temps).exp()
-            block_sums = torch.cat([s.block_sums * scale[:, c:c + 1] for c, s in enumerate(stats)], 1)
+            parts = _present(s.block_sums for s in stats)
+            block_sums = torch.cat([p * scale[:, c:c + 1] for c, p in enumerate(parts)], 1)
         cpu = [None if t is None else t.cpu() for t in (peak, argmax, lse, top_vals, top_ids, block_sums)]
         return Scan(logits, *cpu)  # type: ignore[arg-type]
 
@@ -199,6 +199,14 @@ class LMHead:
             return (scan.logits[rows, a:b] > thr).sum(-1)
 
         return torch.stack(self.pool.map(one, len(self.bounds)), 1).sum(1).cpu()
+
+
+def _present(items: Iterable[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The chunks' values of one statistic: all there, or none asked for (empty list)."""
+    got = list(items)
+    present = [t for t in got if t is not None]
+    assert len(present) in (0, len(got))
+    return present
 
 
 def _block_sums(weights: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ general path: their logits are copied out of the scan, processed and searched wh
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
