@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 BLOCK = 256  # inverse-CDF block; chunk boundaries fall on block boundaries
-CPU_CHUNK = 4096  # 16 rows of it are 256 KB: a chunk's logits stay in L2 while reduced
+CPU_CHUNK = 8192  # 16 rows of it are 256 KB: a chunk's logits stay in L2 while reduced
 
 T = TypeVar("T")
 
@@ -76,11 +76,8 @@ class ChunkPool:
 
 
 class _ChunkStats(NamedTuple):
-    max: torch.Tensor  # [R]
-    argmax: torch.Tensor  # [R] vocabulary ids
+    block_max: torch.Tensor  # [R, blocks in chunk]
     sumexp: torch.Tensor | None  # [R] sum of exp(logit - chunk max)
-    top_vals: torch.Tensor | None  # [R, k]
-    top_ids: torch.Tensor | None
     block_sums: torch.Tensor | None  # [S, blocks in chunk] of exp((logit - chunk max) / T)
 
 
@@ -137,7 +134,12 @@ class LMHead:
              temperatures: torch.Tensor | None = None) -> Scan:
         """Logits of `hidden` [R, H] with every row's max and argmax; with `lse` the logsumexp,
         with `top_k` each row's top k; for `sample_rows` (indices, with their `temperatures`)
-        the inverse CDF's block sums."""
+        the inverse CDF's block sums.
+
+        Chunks only keep per-block maxima (an order of magnitude cheaper than max with indices
+        or top-k over the chunk); argmax and top-k are then found among the few blocks whose
+        maxima lead: any of a row's k largest logits lies in one of its k highest blocks.
+        """
         rows = hidden.shape[0]
         logits = torch.empty(rows, self.vocab, dtype=torch.float32, device=self.device)
         temps = torch.ones(0, 1)
@@ -145,49 +147,55 @@ class LMHead:
             assert temperatures is not None
             sample_rows = sample_rows.to(self.device)
             temps = temperatures.to(self.device, torch.float32)[:, None]
-        # when every row samples at T=1 and the logsumexp is wanted, one exp serves both
-        shared_exp = (lse and sample_rows is not None and len(sample_rows) == rows
-                      and bool((temps == 1.0).all()))
+        every_row = sample_rows is not None and len(sample_rows) == rows  # no row gather
+        unit_temp = bool((temps == 1.0).all())
+        shared_exp = lse and every_row and unit_temp  # one exp serves the lse and the draw
 
         def one(i: int) -> _ChunkStats:
             a, b = self.bounds[i]
             chunk = self._chunk_logits(hidden, logits, a, b)
-            peak, where = chunk.max(-1)
-            sumexp = top = block_sums = None
+            block_max = _per_block(chunk, torch.amax)
+            peak = block_max.amax(-1, keepdim=True)
+            sumexp = block_sums = None
             if lse:
-                e = chunk.sub(peak[:, None]).exp_()
+                e = chunk.sub(peak).exp_()
                 sumexp = e.sum(-1)
                 if shared_exp:
-                    block_sums = _block_sums(e)
-            if top_k:
-                top = chunk.topk(top_k, -1)
+                    block_sums = _per_block(e, torch.sum)
             if sample_rows is not None and block_sums is None:
-                w = chunk[sample_rows].sub_(peak[sample_rows, None]).div_(temps).exp_()
-                block_sums = _block_sums(w)
-            return _ChunkStats(peak, where + a, sumexp, None if top is None else top.values,
-                               None if top is None else top.indices + a, block_sums)
+                w = chunk.sub(peak) if every_row else chunk[sample_rows].sub_(peak[sample_rows])
+                block_sums = _per_block((w if unit_temp else w.div_(temps)).exp_(), torch.sum)
+            return _ChunkStats(block_max, sumexp, block_sums)
 
-        return self._combine(logits, self.pool.map(one, len(self.bounds)), sample_rows, temps)
+        stats = self.pool.map(one, len(self.bounds))
+        return self._combine(logits, stats, top_k, sample_rows, temps)
 
-    @staticmethod
-    def _combine(logits: torch.Tensor, stats: list[_ChunkStats], sample_rows: torch.Tensor | None,
-                 temps: torch.Tensor) -> Scan:
-        maxes = torch.stack([s.max for s in stats], 1)  # [R, chunks]
-        peak, which = maxes.max(1)  # the first chunk holding the max: torch.argmax's tie rule
-        argmax = torch.stack([s.argmax for s in stats], 1).gather(1, which[:, None])[:, 0]
+    def _combine(self, logits: torch.Tensor, stats: list[_ChunkStats], top_k: int,
+                 sample_rows: torch.Tensor | None, temps: torch.Tensor) -> Scan:
+        block_max = torch.cat([s.block_max for s in stats], 1)  # [R, blocks]
+        chunk_max = torch.stack([s.block_max.amax(-1) for s in stats], 1)  # [R, chunks]
+        peak, best = block_max.max(1)  # the first block holding the max: torch.argmax's rule
+        vals, cols = self._gather_blocks(logits, best[:, None])
+        argmax = cols.gather(1, vals.argmax(-1, keepdim=True))[:, 0]
         lse = top_vals = top_ids = block_sums = None
         if sums := _present(s.sumexp for s in stats):
-            lse = peak + (torch.stack(sums, 1) * (maxes - peak[:, None]).exp()).sum(1).log()
-        if vals := _present(s.top_vals for s in stats):
-            ids = torch.cat(_present(s.top_ids for s in stats), 1)
-            top_vals, j = torch.cat(vals, 1).topk(vals[0].shape[1], -1)
-            top_ids = ids.gather(1, j)
+            lse = peak + (torch.stack(sums, 1) * (chunk_max - peak[:, None]).exp()).sum(1).log()
+        if top_k:
+            vals, cols = self._gather_blocks(logits, block_max.topk(min(top_k, block_max.shape[1]), -1).indices)
+            top_vals, j = vals.topk(top_k, -1)
+            top_ids = cols.gather(1, j)
         if sample_rows is not None:
-            scale = ((maxes[sample_rows] - peak[sample_rows, None]) / temps).exp()
+            scale = ((chunk_max[sample_rows] - peak[sample_rows, None]) / temps).exp()
             parts = _present(s.block_sums for s in stats)
             block_sums = torch.cat([p * scale[:, c:c + 1] for c, p in enumerate(parts)], 1)
         cpu = [None if t is None else t.cpu() for t in (peak, argmax, lse, top_vals, top_ids, block_sums)]
         return Scan(logits, *cpu)  # type: ignore[arg-type]
+
+    def _gather_blocks(self, logits: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [R, n * BLOCK] of blocks [R, n] and their columns; past the vocabulary -inf."""
+        cols = (blocks[:, :, None] * BLOCK + torch.arange(BLOCK, device=blocks.device)).flatten(1)
+        vals = logits.gather(1, cols.clamp(max=self.vocab - 1))
+        return vals.masked_fill_(cols >= self.vocab, -float("inf")), cols
 
     def count_above(self, scan: Scan, rows: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
         """How many logits of each of `rows` exceed its threshold (rank - 1 of a token)."""
@@ -209,10 +217,11 @@ def _present(items: Iterable[torch.Tensor | None]) -> list[torch.Tensor]:
     return present
 
 
-def _block_sums(weights: torch.Tensor) -> torch.Tensor:
-    """Sums of consecutive BLOCK columns; a last partial block sums what there is."""
-    full = weights.shape[1] // BLOCK * BLOCK
-    sums = weights[:, :full].unflatten(1, (-1, BLOCK)).sum(-1)
-    if full < weights.shape[1]:
-        sums = torch.cat([sums, weights[:, full:].sum(-1, keepdim=True)], 1)
-    return sums
+def _per_block(values: torch.Tensor, reduce: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """reduce (torch.sum, torch.amax) over consecutive BLOCK columns; a last partial block
+    reduces what there is."""
+    full = values.shape[1] // BLOCK * BLOCK
+    out = reduce(values[:, :full].unflatten(1, (-1, BLOCK)), -1)
+    if full < values.shape[1]:
+        out = torch.cat([out, reduce(values[:, full:], -1, keepdim=True)], 1)
+    return out
