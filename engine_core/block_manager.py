@@ -10,8 +10,8 @@ evicts the key. A cached block that is hit while free is taken back out of the q
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 BlockKey = tuple[int, tuple[int, ...]]
 

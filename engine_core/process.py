@@ -27,9 +27,19 @@ import zmq
 
 from engine_core.engine import EngineCore
 from engine_core.metrics import HistogramTotals
-from shared.messages import (AbortRequest, AddRequest, EngineInput, EngineOutput, Hello,
-                             MetricsReport, Ready, StopRequest, UtilityRequest, UtilityResult,
-                             as_ints)
+from shared.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineInput,
+    EngineOutput,
+    Hello,
+    MetricsReport,
+    Ready,
+    StopRequest,
+    UtilityRequest,
+    UtilityResult,
+    as_ints,
+)
 from shared.transport import InputCodec, OutputCodec, configure
 
 log = logging.getLogger(__name__)

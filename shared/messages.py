@@ -11,7 +11,8 @@ Engine -> frontend: Ready, StepOutputs, UtilityResult.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import numpy as np

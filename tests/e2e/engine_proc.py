@@ -10,7 +10,16 @@ from pathlib import Path
 
 import zmq
 
-from shared.messages import AddRequest, EngineOutput, Hello, Ready, SamplingParams, UtilityRequest, UtilityResult, ints
+from shared.messages import (
+    AddRequest,
+    EngineOutput,
+    Hello,
+    Ready,
+    SamplingParams,
+    UtilityRequest,
+    UtilityResult,
+    ints,
+)
 from shared.transport import InputCodec, OutputCodec, configure, new_identity
 
 

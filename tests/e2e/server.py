@@ -40,7 +40,7 @@ class Server:
             self._lines.put(line)
         self._lines.put(None)
 
-    def wait_healthy(self, timeout_s: float = 120.0) -> "Server":
+    def wait_healthy(self, timeout_s: float = 120.0) -> Server:
         while True:
             try:
                 line = self._lines.get(timeout=timeout_s)

@@ -8,12 +8,11 @@ prompt_tokens is the chat template's own token count (one BOS, not two).
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import json
-import urllib.request
 
 import openai
 import pytest

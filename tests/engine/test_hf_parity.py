@@ -21,8 +21,7 @@ from tests.engine.driver import Collected, run
 
 MAX_NEW = 10
 ATOL = 1e-4
-WORDS = ("the model serves tokens fast and exactly while many clients stream text 你好 世界 "
-         "über café naïve 🎉 rockets fly").split()
+WORDS = ["the", "model", "serves", "tokens", "fast", "and", "exactly", "while", "many", "clients", "stream", "text", "你好", "世界", "über", "café", "naïve", "🎉", "rockets", "fly"]
 
 
 def make_prompts(tokenizer, n: int = 24, prefix: str = "") -> list[list[int]]:
