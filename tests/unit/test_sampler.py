@@ -108,3 +108,23 @@ def test_block_path_follows_the_distribution_across_chunks():
         expected = torch.softmax(logits / temp, -1)[hot]
         got = torch.bincount(tokens, minlength=vocab)[hot].float() / len(tokens)
         assert torch.allclose(got, expected, atol=0.015), (temp, got, expected)
+
+
+def test_sampled_rows_get_their_tokens_logprob_and_rank():
+    """Logprobs of sampled (not argmax) tokens: value, rank and top-k against log_softmax,
+    over several chunks, mixed with a greedy row and a row on the general (top-p) path."""
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(6, 8, generator=g), torch.randn(900, 8, generator=g)
+    params = [SamplingParams(temperature=1.0, logprobs=3)] * 4 + [
+        SamplingParams(temperature=0.0, logprobs=3), SamplingParams(top_p=0.9, logprobs=3)]
+    reqs = [Request(f"r{i}", [1], p) for i, p in enumerate(params)]
+    out = Sampler([], seed=3)(LMHead(weight, chunk=BLOCK, workers=2), hidden, reqs)
+    ref = torch.log_softmax(hidden @ weight.T, -1)
+    tokens = torch.from_numpy(out.token_ids)
+    chosen = ref[torch.arange(6), tokens]
+    assert out.logprob_rows.tolist() == list(range(6))
+    assert torch.allclose(torch.from_numpy(out.logprobs.logprobs), chosen, atol=1e-5)
+    assert out.logprobs.ranks.tolist() == ((ref > chosen[:, None]).sum(-1) + 1).tolist()
+    assert torch.allclose(torch.from_numpy(out.logprobs.top_logprobs), ref.topk(3).values, atol=1e-5)
+    assert int(tokens[4]) == int(ref[4].argmax()) and out.logprobs.ranks[4] == 1
+    assert (out.logprobs.ranks[:4] > 1).any()  # some sampled token was not the argmax
