@@ -55,3 +55,14 @@ def test_pool_runs_every_index_once_and_reraises():
     with pytest.raises(ValueError, match="chunk 7"):
         pool.map(boom, 20)
     assert pool.map(lambda i: i, 5) == list(range(5))  # still usable afterwards
+
+
+def test_head_with_bias_takes_the_linear_path():
+    """A bias keeps the [vocab, hidden] weight and F.linear (the path CUDA heads take)."""
+    hidden, weight, bias = torch.randn(3, 8), torch.randn(600, 8), torch.randn(600)
+    head = LMHead(weight, bias=bias, workers=2, chunk=BLOCK)
+    scan = head.scan(hidden, lse=True, top_k=2)
+    ref = hidden @ weight.T + bias
+    assert torch.allclose(scan.logits, ref, atol=1e-5)
+    assert torch.allclose(scan.lse, ref.logsumexp(-1), atol=1e-5)
+    assert torch.equal(scan.argmax, ref.argmax(-1))
