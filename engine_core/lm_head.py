@@ -3,9 +3,10 @@ sampling and logprobs need.
 
 On a 128k vocabulary the head's GEMM and the vocab-wide passes after it (softmax, logsumexp,
 top-k) are most of a CPU step. `LMHead.scan` produces the logits a chunk of columns at a time
-and reduces each chunk while it is still in cache: row max and argmax, the sum of exp for the
-logsumexp, top-k, and, for the rows that sample, the per-block sums of exp((logit - max) / T)
-that the two-level inverse CDF in sampler.py searches. The chunks are shared out to a few
+and reduces each chunk while it is still in cache: per-block maxima, the sum of exp for the
+logsumexp, and, for the rows that sample, the per-block sums of exp((logit - max) / T) that the
+two-level inverse CDF in sampler.py searches. Argmax and top-k come afterwards from the leading
+blocks (`gather_blocks`). The chunks are shared out to a few
 threads, each taking the next chunk when it is done (torch ops release the GIL): a core that
 another process (a frontend) is busy on just takes fewer chunks, where OpenMP's static split
 would stall the whole op until that core came back. Measured on a 2-core box, 16 rows of the
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 BLOCK = 256  # inverse-CDF block; chunk boundaries fall on block boundaries
-CPU_CHUNK = 8192  # 16 rows of it are 256 KB: a chunk's logits stay in L2 while reduced
+CPU_CHUNK = 8192  # 16 rows of it are 512 KB: a chunk's logits stay in the 1 MB L2 while reduced
 
 T = TypeVar("T")
 
@@ -175,13 +176,13 @@ class LMHead:
         block_max = torch.cat([s.block_max for s in stats], 1)  # [R, blocks]
         chunk_max = torch.stack([s.block_max.amax(-1) for s in stats], 1)  # [R, chunks]
         peak, best = block_max.max(1)  # the first block holding the max: torch.argmax's rule
-        vals, cols = self._gather_blocks(logits, best[:, None])
+        vals, cols = gather_blocks(logits, best[:, None])
         argmax = cols.gather(1, vals.argmax(-1, keepdim=True))[:, 0]
         lse = top_vals = top_ids = block_sums = None
         if sums := _present(s.sumexp for s in stats):
             lse = peak + (torch.stack(sums, 1) * (chunk_max - peak[:, None]).exp()).sum(1).log()
         if top_k:
-            vals, cols = self._gather_blocks(logits, block_max.topk(min(top_k, block_max.shape[1]), -1).indices)
+            vals, cols = gather_blocks(logits, block_max.topk(min(top_k, block_max.shape[1]), -1).indices)
             top_vals, j = vals.topk(top_k, -1)
             top_ids = cols.gather(1, j)
         if sample_rows is not None:
@@ -190,12 +191,6 @@ class LMHead:
             block_sums = torch.cat([p * scale[:, c:c + 1] for c, p in enumerate(parts)], 1)
         cpu = [None if t is None else t.cpu() for t in (peak, argmax, lse, top_vals, top_ids, block_sums)]
         return Scan(logits, *cpu)  # type: ignore[arg-type]
-
-    def _gather_blocks(self, logits: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [R, n * BLOCK] of blocks [R, n] and their columns; past the vocabulary -inf."""
-        cols = (blocks[:, :, None] * BLOCK + torch.arange(BLOCK, device=blocks.device)).flatten(1)
-        vals = logits.gather(1, cols.clamp(max=self.vocab - 1))
-        return vals.masked_fill_(cols >= self.vocab, -float("inf")), cols
 
     def count_above(self, scan: Scan, rows: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
         """How many logits of each of `rows` exceed its threshold (rank - 1 of a token)."""
@@ -208,6 +203,17 @@ class LMHead:
             return (scan.logits[picked, a:b] > thr).sum(-1)
 
         return torch.stack(self.pool.map(one, len(self.bounds)), 1).sum(1).cpu()
+
+
+def gather_blocks(logits: torch.Tensor, blocks: torch.Tensor,
+                  rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [R, n * BLOCK] of blocks [R, n] of each row (or of `rows` of `logits`), and their
+    columns; columns past the vocabulary read -inf. Results are on `blocks`' device."""
+    vocab = logits.shape[1]
+    cols = (blocks[:, :, None] * BLOCK + torch.arange(BLOCK, device=blocks.device)).flatten(1)
+    at = cols.clamp(max=vocab - 1).to(logits.device)
+    vals = logits.gather(1, at) if rows is None else logits[rows.to(logits.device)[:, None], at]
+    return vals.to(blocks.device).masked_fill_(cols >= vocab, -float("inf")), cols
 
 
 def _present(items: Iterable[torch.Tensor | None]) -> list[torch.Tensor]:

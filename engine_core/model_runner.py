@@ -125,7 +125,6 @@ class ModelRunner:
         return out.last_hidden_state[0, keep]
 
 
-
 def _head_workers(device: torch.device) -> int:
     """Threads for the LM head's vocabulary chunks: every core when torch itself runs on one
     thread (small CPU boxes, where the frontends share the cores: chunks taken on demand

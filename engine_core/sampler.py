@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engine_core.lm_head import BLOCK, LMHead, Scan
+from engine_core.lm_head import BLOCK, LMHead, Scan, gather_blocks
 from engine_core.request import Request
 
 _GREEDY_EPS = 1e-5
@@ -116,13 +116,10 @@ class Sampler:
     def _draw_from_blocks(self, scan: Scan, rows: torch.Tensor, temps: torch.Tensor,
                           reqs: Sequence[Request]) -> torch.Tensor:
         assert scan.block_sums is not None
-        vocab = scan.logits.shape[1]
         block, rest = _pick_block(scan.block_sums, self._uniforms(reqs))
-        cols = block[:, None] * BLOCK + torch.arange(BLOCK)
-        dev = scan.logits.device
-        vals = scan.logits[rows.to(dev)[:, None], cols.clamp(max=vocab - 1).to(dev)].cpu()
-        weights = ((vals - scan.max[rows, None]) / temps[:, None]).exp_().masked_fill_(cols >= vocab, 0.0)
-        return (block * BLOCK + _pick_within(weights, rest)).clamp_(max=vocab - 1)
+        vals, _ = gather_blocks(scan.logits, block[:, None], rows)  # -inf past the vocabulary
+        weights = ((vals - scan.max[rows, None]) / temps[:, None]).exp_()
+        return (block * BLOCK + _pick_within(weights, rest)).clamp_(max=scan.logits.shape[1] - 1)
 
     def _draw_general(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         for i, req in enumerate(reqs):
