@@ -10,6 +10,7 @@ aborts; prompts longer than `error_prompt_len` finish with "error". `stop()` kil
 
 from __future__ import annotations
 
+import json
 import tempfile
 import threading
 import time
@@ -39,6 +40,13 @@ from shared.transport import InputCodec, OutputCodec, configure
 
 BOS = 128000
 EOS = 128001
+
+
+def sse_events(body: str) -> list[Any]:
+    """A streamed response body as its events: the JSON payloads, then the string "[DONE]"."""
+    events = [e for e in body.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    return [e[6:] if e == "data: [DONE]" else json.loads(e[6:]) for e in events]
 
 
 @lru_cache(maxsize=1)

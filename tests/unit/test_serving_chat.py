@@ -4,7 +4,6 @@ own tokens, BOS left out, so the answer is the rendered chat itself)."""
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import jinja2
@@ -20,6 +19,7 @@ from tests.unit.fake_engine import (
     EOS,
     FakeEngine,
     cached_tokenizer,
+    sse_events,
     tokenizer_folder,
 )
 
@@ -47,9 +47,7 @@ async def stream(client: Client, **body: Any) -> list[Any]:
         "/v1/chat/completions", json={"messages": USER, "stream": True, **body}
     )
     assert resp.status == 200, await resp.text()
-    events = [e for e in (await resp.text()).split("\n\n") if e]
-    assert all(e.startswith("data: ") for e in events)
-    return [e[6:] if e == "data: [DONE]" else json.loads(e[6:]) for e in events]
+    return sse_events(await resp.text())
 
 
 def merge_chunks(events: list[Any]) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from frontend.server import init_app
-from tests.unit.fake_engine import FakeEngine, cached_tokenizer, frontend_config
+from tests.unit.fake_engine import FakeEngine, cached_tokenizer, frontend_config, sse_events
 
 Client = TestClient  # type: ignore[type-arg]
 MakeClient = Callable[..., Awaitable[Client]]
@@ -45,9 +45,7 @@ async def stream(client: Client, **body: Any) -> list[Any]:
     )
     assert resp.status == 200, await resp.text()
     assert resp.headers["Content-Type"].startswith("text/event-stream")
-    events = [e for e in (await resp.text()).split("\n\n") if e]
-    assert all(e.startswith("data: ") for e in events)
-    return [e[6:] if e == "data: [DONE]" else json.loads(e[6:]) for e in events]
+    return sse_events(await resp.text())
 
 
 def merge_chunks(events: list[Any]) -> list[dict[str, Any]]:
