@@ -1,0 +1,104 @@
+/* CPU kernels for engine_core/lm_head.py, compiled on first use by engine_core/native.py.
+ *
+ * head_scan: the LM head's logits for a range of vocabulary columns, a 256-column block at a
+ * time, each block reduced while it is still in L1/L2: its maximum and, for the rows that ask,
+ * the sum of exp((logit - block max) * scale). The weight is pre-packed in 16-column panels
+ * ([panels][hidden][16], contiguous), so the GEMM streams it sequentially; each panel (8 KB at
+ * hidden 128) stays in L1 while every row tile uses it. Register tiles are 6 rows x 16 columns,
+ * the shape that fills AVX2's 16 vector registers; the vector type is GCC's generic one, so the
+ * same source builds for whatever -march=native offers. The sum over the hidden dimension runs
+ * in index order with one accumulator per output, as a plain GEMM does.
+ *
+ * count_above: how many logits of each picked row exceed its threshold (rank - 1 of a token).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define NR 16 /* columns per packed panel and per register tile */
+#define MR 6  /* rows per register tile */
+
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+/* c[r, 0:16] = a[r, :] @ panel for mr rows; mr is a constant wherever this is inlined */
+static inline __attribute__((always_inline)) void tile(const int mr, const float *a, int64_t lda,
+                                                       const float *panel, int64_t hidden,
+                                                       float *c, int64_t ldc) {
+    v8 acc[MR][2];
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = (v8){0};
+    for (int64_t k = 0; k < hidden; k++) {
+        v8 b0 = load8(panel + k * NR), b1 = load8(panel + k * NR + 8);
+        for (int r = 0; r < mr; r++) {
+            float s = a[r * lda + k];
+            v8 av = {s, s, s, s, s, s, s, s};
+            acc[r][0] += av * b0;
+            acc[r][1] += av * b1;
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        store8(c + r * ldc, acc[r][0]);
+        store8(c + r * ldc + 8, acc[r][1]);
+    }
+}
+
+static void panel_gemm(const float *a, int64_t lda, int64_t rows, const float *panel,
+                       int64_t hidden, float *c, int64_t ldc) {
+    int64_t r = 0;
+    for (; r + MR <= rows; r += MR) tile(MR, a + r * lda, lda, panel, hidden, c + r * ldc, ldc);
+    const float *ar = a + r * lda;
+    float *cr = c + r * ldc;
+    switch (rows - r) {
+        case 5: tile(5, ar, lda, panel, hidden, cr, ldc); break;
+        case 4: tile(4, ar, lda, panel, hidden, cr, ldc); break;
+        case 3: tile(3, ar, lda, panel, hidden, cr, ldc); break;
+        case 2: tile(2, ar, lda, panel, hidden, cr, ldc); break;
+        case 1: tile(1, ar, lda, panel, hidden, cr, ldc); break;
+        default: break;
+    }
+}
+
+static float sum_exp(const float *x, int64_t n, float max, float scale) {
+    float acc = 0.0f, shift = max * scale;
+    for (int64_t i = 0; i < n; i++) acc += expf(x[i] * scale - shift);
+    return acc;
+}
+
+/* Columns [col0, col1) of the logits a @ W (col0 a multiple of `block`, block of NR), written
+ * into logits (leading dimension ldc; columns up to col1 rounded up to NR are written, so the
+ * caller pads its buffer). For every row r and block b in the range: bmax[r * ldb + b] is the
+ * block's maximum; where scale_x[r] > 0, sum_x[r * ldb + b] = sum exp((logit - bmax) * scale_x[r])
+ * (two such sums, so a row can have both its logsumexp's and its temperature's). */
+void head_scan(const float *a, int64_t lda, int64_t rows, int64_t hidden, const float *packed,
+               int64_t col0, int64_t col1, float *logits, int64_t ldc, int64_t block,
+               float *bmax, int64_t ldb, const float *scale_a, float *sum_a,
+               const float *scale_b, float *sum_b) {
+    for (int64_t j = col0; j < col1; j += block) {
+        int64_t end = j + block < col1 ? j + block : col1;
+        for (int64_t p = j; p < end; p += NR)
+            panel_gemm(a, lda, rows, packed + p * hidden, hidden, logits + p, ldc);
+        int64_t b = j / block, n = end - j;
+        for (int64_t r = 0; r < rows; r++) {
+            const float *x = logits + r * ldc + j;
+            float m = x[0];
+            for (int64_t i = 1; i < n; i++) m = x[i] > m ? x[i] : m;
+            bmax[r * ldb + b] = m;
+            if (scale_a && scale_a[r] > 0) sum_a[r * ldb + b] = sum_exp(x, n, m, scale_a[r]);
+            if (scale_b && scale_b[r] > 0) sum_b[r * ldb + b] = sum_exp(x, n, m, scale_b[r]);
+        }
+    }
+}
+
+/* out[i] += how many of logits[rows[i], col0:col1] exceed thresholds[i] */
+void count_above(const float *logits, int64_t ldc, const int64_t *rows, int64_t n,
+                 const float *thresholds, int64_t col0, int64_t col1, int64_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *x = logits + rows[i] * ldc;
+        float t = thresholds[i];
+        int32_t c = 0;
+        for (int64_t j = col0; j < col1; j++) c += x[j] > t;
+        out[i] += c;
+    }
+}

@@ -1,0 +1,110 @@
+"""The LM head's CPU kernels (csrc/lm_head.c), compiled on first use and loaded with ctypes.
+
+Compiled on the machine that runs them, with -march=native, into the cache folder
+(`TANDEM_CACHE`, default ~/.cache/tandem) under a name that hashes the source, the compiler
+command and this CPU's feature flags, so a shared home folder across different hosts keeps one
+build per kind of CPU. A compiler is part of any machine that installs Python packages from
+source; where there is none, or `TANDEM_NATIVE=0` is set, `load()` returns None and the head
+keeps its portable torch path. ctypes releases the GIL for the length of each call, so the
+head's chunk threads run these kernels in parallel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engine_core.default_model import cache_root
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("csrc") / "lm_head.c"
+# -ffast-math for the vectorised expf (glibc's libmvec) and reassociated reductions; compiled
+# and linked in two steps, because linking with it adds crtfastmath.o, which sets flush-to-zero
+# for the whole process at load time (a denormal then compares equal to 0 everywhere).
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC"]
+PANEL = 16  # columns per packed weight panel (NR in the source)
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class Kernels:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.head_scan = lib.head_scan
+        self.head_scan.argtypes = [_P, _I, _I, _I, _P, _I, _I, _P, _I, _I, _P, _I, _P, _P, _P, _P]
+        self.head_scan.restype = None
+        self.count_above = lib.count_above
+        self.count_above.argtypes = [_P, _I, _P, _I, _P, _I, _I, _P]
+        self.count_above.restype = None
+
+
+def pack_panels(weight_t: torch.Tensor) -> torch.Tensor:
+    """[hidden, vocab] -> [panels, hidden, PANEL] float32, contiguous; the vocabulary padded
+    with zero columns to a whole panel."""
+    hidden, vocab = weight_t.shape
+    padded = -(-vocab // PANEL) * PANEL
+    w = torch.zeros(hidden, padded, dtype=torch.float32)
+    w[:, :vocab] = weight_t
+    return w.view(hidden, padded // PANEL, PANEL).transpose(0, 1).contiguous()
+
+
+def ptr(t: torch.Tensor | None, offset: int = 0) -> int | None:
+    """Address of element `offset` of `t` (float32/int64 storage), None for None."""
+    return None if t is None else t.data_ptr() + offset * t.element_size()
+
+
+@functools.cache
+def load() -> Kernels | None:
+    if os.environ.get("TANDEM_NATIVE", "1") == "0":
+        return None
+    try:
+        return Kernels(ctypes.CDLL(str(_build())))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("LM-head CPU kernels unavailable (%s); using the torch path", e)
+        return None
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise OSError("no C compiler (cc or gcc) on PATH")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(FLAGS).encode(),
+                                     _cpu_flags()])).hexdigest()[:16]
+    out = cache_root() / "kernels" / f"lm_head-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:  # build beside the target, then rename: processes starting together never load half a file
+        obj = tmp + ".o"
+        subprocess.run([cc, *FLAGS, "-c", str(SOURCE), "-o", obj], check=True,
+                       capture_output=True, timeout=120)
+        subprocess.run([cc, "-shared", obj, "-o", tmp, "-lm"], check=True, capture_output=True,
+                       timeout=120)
+        os.replace(tmp, out)
+    except subprocess.CalledProcessError as e:
+        raise OSError(f"{cc} failed: {e.stderr.decode(errors='replace').strip()[-500:]}") from e
+    finally:
+        for leftover in (tmp, tmp + ".o"):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+    log.info("compiled the LM-head CPU kernels into %s", out)
+    return out
+
+
+def _cpu_flags() -> bytes:
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return os.uname().machine.encode()
