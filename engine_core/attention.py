@@ -3,8 +3,12 @@
 The step's metadata (`AttentionMetadata`) is built once per step with array ops and shared
 by every layer. Each layer writes the step's new K/V into its slots of the paged cache, then
 attends:
-- decodes (one query each) in one batched SDPA call over their gathered, padded contexts;
-- prefill chunks one SDPA call each, causal with the chunk's offset in its sequence.
+- decodes (one query each) in one batched SDPA call over their contexts, gathered a whole
+  cache block at a time (index_select of 16-token blocks: ~4x faster than gathering slot by
+  slot) and padded to the longest with a mask;
+- prefill chunks one SDPA call each, causal with the chunk's offset in its sequence. A chunk
+  that starts its sequence attends to the step's own K/V, with no gather at all; a later chunk
+  (after a cached prefix, or a chunked prompt's next part) gathers its context's blocks.
 `paged_attention` is the portable torch path (CPU, and CUDA fallback); a fast CUDA kernel
 slots in by registering another function with the same signature.
 """
@@ -21,16 +25,19 @@ import torch.nn.functional as F
 @dataclass
 class PrefillChunk:
     rows: slice  # rows of the packed batch
-    slots: torch.Tensor  # [ctx] cache slots of positions 0..ctx-1
+    blocks: torch.Tensor | None  # [nb] cache blocks of positions 0..ctx-1; None: a sequence's
+    # first chunk, which attends to the step's own K/V
+    context: int  # ctx: positions attended to
     mask: torch.Tensor | None  # [q, ctx] bool, True = attend; None when the chunk is the whole context
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    block_size: int
     decode_rows: torch.Tensor  # [Bd] rows of the packed batch that are single-token decodes
-    decode_slots: torch.Tensor  # [Bd, L] context slots, padded with slot 0
-    decode_mask: torch.Tensor  # [Bd, 1, 1, L] bool
+    decode_blocks: torch.Tensor  # [Bd * nb] each decode's context blocks, padded with block 0
+    decode_mask: torch.Tensor  # [Bd, 1, 1, nb * block_size] bool
     prefills: list[PrefillChunk]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [slots, Hkv, D] each
 
@@ -52,29 +59,27 @@ def build_metadata(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndar
     is_decode = num_new == 1
     dec = np.nonzero(is_decode)[0]
     ctx = starts[dec] + 1
-    width = int(ctx.max()) if len(dec) else 1
-    grid = np.arange(width)[None, :]
-    dec_slots = block_table[dec[:, None], np.minimum(grid, ctx[:, None] - 1) // block_size] * block_size \
-        + grid % block_size
-    dec_mask = grid < ctx[:, None]
+    nblocks = -(-int(ctx.max()) // block_size) if len(dec) else 1
+    dec_blocks = block_table[dec, :nblocks]  # past a context: padding or spare, masked out
+    dec_mask = np.arange(nblocks * block_size)[None, :] < ctx[:, None]
 
     prefills = []
     for i in np.nonzero(~is_decode)[0]:
         start, q = int(starts[i]), int(num_new[i])
         total = start + q
-        pos = np.arange(total)
-        slots = block_table[i, pos // block_size] * block_size + pos % block_size
-        mask = None
+        rows = slice(int(offsets[i]), int(offsets[i]) + q)
+        blocks = mask = None
         if start:
+            blocks = torch.from_numpy(block_table[i, :-(-total // block_size)].copy()).to(device)
             mask = torch.from_numpy(np.arange(total)[None, :] <= (start + np.arange(q))[:, None])
             mask = mask.to(device)
-        rows = slice(int(offsets[i]), int(offsets[i]) + q)
-        prefills.append(PrefillChunk(rows, torch.from_numpy(slots).to(device), mask))
+        prefills.append(PrefillChunk(rows, blocks, total, mask))
 
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        block_size=block_size,
         decode_rows=torch.from_numpy(offsets[dec]).to(device),
-        decode_slots=torch.from_numpy(np.where(dec_mask, dec_slots, 0)).to(device),
+        decode_blocks=torch.from_numpy(dec_blocks.reshape(-1)).to(device),
         decode_mask=torch.from_numpy(dec_mask)[:, None, None, :].to(device),
         prefills=prefills,
         kv_caches=kv_caches,
@@ -99,17 +104,25 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
     q = query[0].transpose(0, 1)  # [T, H, D]
     out = torch.empty_like(q)
+    blocks_k = k_cache.view(-1, meta.block_size, *k_cache.shape[1:])  # [blocks, bs, Hkv, D]
+    blocks_v = v_cache.view(-1, meta.block_size, *v_cache.shape[1:])
     if len(meta.decode_rows):
+        bd = len(meta.decode_rows)
         qd = q[meta.decode_rows].unsqueeze(2)  # [Bd, H, 1, D]
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [Bd, Hkv, L, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
-                                            scale=scaling, enable_gqa=True)
+        kd = blocks_k.index_select(0, meta.decode_blocks).view(bd, -1, *k_cache.shape[1:])
+        vd = blocks_v.index_select(0, meta.decode_blocks).view(bd, -1, *v_cache.shape[1:])
+        od = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
+                                            attn_mask=meta.decode_mask, scale=scaling,
+                                            enable_gqa=True)
         out[meta.decode_rows] = od.squeeze(2)
     for chunk in meta.prefills:
         qp = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        kp = k_cache[chunk.slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-        vp = v_cache[chunk.slots].transpose(0, 1).unsqueeze(0)
+        if chunk.blocks is None:  # the sequence's first chunk: its context is this step's K/V
+            kp, vp = key[:, :, chunk.rows], value[:, :, chunk.rows]  # [1, Hkv, q, D]
+        else:
+            kp = blocks_k.index_select(0, chunk.blocks).flatten(0, 1)[:chunk.context]
+            vp = blocks_v.index_select(0, chunk.blocks).flatten(0, 1)[:chunk.context]
+            kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask,
                                             is_causal=chunk.mask is None, scale=scaling,
                                             enable_gqa=True)
