@@ -12,7 +12,7 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None => 2048 on CUDA, 512 on CPU
     max_waiting_requests: int = 1024  # beyond this many queued, new requests are refused (503)
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None => a default for the device
@@ -27,7 +27,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
                      "block_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("--num-kv-blocks must be at least 1")

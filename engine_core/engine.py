@@ -29,6 +29,15 @@ MAX_LOGPROBS = 20
 PROMPT_LOGITS_ROWS = 64  # prompt positions per LM-head scan: 1.47 ms a row at 64, 1.78 at 32
 
 
+def default_token_budget(device: torch.device) -> int:
+    """Tokens per step unless --max-num-batched-tokens says otherwise. On a CPU a prefill step
+    costs ~60 us a token (tiny model, 2 cores), so a wave of new prompts finishes its first
+    tokens in several small steps rather than one long one: concurrency 16 of 128-token prompts,
+    TTFT p50 129/147 -> 92/84 ms at the same throughput (2048 -> 512; 256 lost throughput to
+    per-step costs). A GPU's steps are cheap per token: vLLM's chunked-prefill default."""
+    return 2048 if device.type == "cuda" else 512
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -37,7 +46,8 @@ class EngineCore:
         self.max_model_len = self.facts.max_model_len
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
                                    config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs,
+                                   config.max_num_batched_tokens or default_token_budget(self.runner.device))
         self.sampler = Sampler(self.facts.eos_token_ids, config.seed)
         self.requests: dict[str, Request] = {}
         self._refused: list[Row] = []
