@@ -12,7 +12,7 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     max_num_seqs: int = 128
-    max_num_batched_tokens: int | None = None  # None => 2048 on CUDA, 512 on CPU
+    max_num_batched_tokens: int | None = None  # None => 2048 on CUDA, 512-2048 by queue on CPU
     max_waiting_requests: int = 1024  # beyond this many queued, new requests are refused (503)
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None => a default for the device

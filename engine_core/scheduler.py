@@ -44,10 +44,16 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prompt_logprob_rows: int | None = None) -> None:
+                 max_prompt_logprob_rows: int | None = None,
+                 min_num_batched_tokens: int | None = None) -> None:
+        """With `min_num_batched_tokens` the step budget adapts: a quarter of the prompt tokens
+        waiting to be computed, between that floor and `max_num_batched_tokens`. A burst of
+        prompts is then cleared in about four steps (its median request has its first token
+        after about two), while a trickle of arrivals gets small, quick steps."""
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.min_num_batched_tokens = min_num_batched_tokens
         # Prompt positions that need logprobs each cost a full-vocabulary LM-head row (~1000x a
         # decoder row on a tiny model), so they get a budget of their own: prefills that score
         # their prompt are spread over steps instead of stalling everyone at once. 256 rows:
@@ -81,12 +87,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._rows_left = self.max_prompt_logprob_rows
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        budget = self._schedule_running(out, self.step_budget())
         if not out.preempted:
             self._schedule_waiting(out, budget)
         self.num_chunked_prefills += sum(
             1 for s in out.scheduled if s.num_new > 1 and not s.completes_prefill)
         return out
+
+    def step_budget(self) -> int:
+        if self.min_num_batched_tokens is None:
+            return self.max_num_batched_tokens
+        backlog = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        backlog += sum(r.num_tokens - r.num_computed_tokens for r in self.running
+                       if r.num_computed_tokens < r.num_prompt_tokens)
+        return max(self.min_num_batched_tokens, min(self.max_num_batched_tokens, backlog // 4))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0

@@ -14,8 +14,9 @@ _ENGINE_FLAGS = (
     ("--max-model-len", {"type": int, "default": None, "help": "context length (default: the model's)"}),
     ("--max-num-seqs", {"type": int, "default": 128, "help": "most requests running at once"}),
     ("--max-num-batched-tokens", {"type": int, "default": None,
-                                      "help": "token budget of one step; longer prompts are chunked "
-                                           "(default: 2048 on CUDA, 512 on CPU)"}),
+                                  "help": "token budget of one step; longer prompts are chunked "
+                                          "(default: 2048 on CUDA; on CPU a quarter of the queued "
+                                          "prompt tokens, between 512 and 2048)"}),
     ("--max-waiting-requests", {"type": int, "default": 1024,
                                     "help": "most requests queued for a slot; beyond it new requests "
                                          "get 503 with Retry-After"}),

@@ -43,6 +43,29 @@ def test_budget_chunks_a_long_prompt_and_decodes_go_first():
     assert s.num_chunked_prefills == 2
 
 
+def test_adaptive_budget_is_a_quarter_of_the_queued_prompt_tokens():
+    s = Scheduler(BlockManager(512, 4, False), 64, 256, min_num_batched_tokens=8)  # no prefix hits
+    assert s.step_budget() == 8  # nothing queued: the floor
+    for i in range(4):
+        s.add(req(f"r{i}", 30))
+    assert s.step_budget() == 30  # 120 queued
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new) for x in out.scheduled] == [("r0", 30)]
+    finish_step(s, out)
+    for i in range(4, 20):
+        s.add(req(f"r{i}", 30))
+    assert s.step_budget() == 570 // 4
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new) for x in out.scheduled] == [
+        ("r0", 1), ("r1", 30), ("r2", 30), ("r3", 30), ("r4", 30), ("r5", 21)]
+    finish_step(s, out)  # what r5 has left counts as queued, r0's decode does not
+    assert s.step_budget() == (9 + 14 * 30) // 4
+    for i in range(20, 60):
+        s.add(req(f"r{i}", 30))
+    assert s.step_budget() == 256  # the cap
+    assert Scheduler(BlockManager(8, 4), 8, 64).step_budget() == 64  # fixed without a floor
+
+
 def test_max_num_seqs_limits_admission():
     s = scheduler(seqs=2)
     for i in range(3):
