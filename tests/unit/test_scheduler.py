@@ -152,3 +152,16 @@ def test_prompt_logprob_prefills_get_their_own_smaller_budget():
     out = s.schedule()
     assert [(x.request.request_id, x.num_new) for x in out.scheduled] == [
         ("a", 1), ("b", 6), ("c", 1)]
+
+
+def test_default_step_budget_by_device():
+    import torch
+
+    from engine_core.config import EngineConfig
+    from engine_core.engine import step_budget
+
+    default = EngineConfig(model="m")
+    assert step_budget(default, torch.device("cuda")) == (2048, None)  # fixed, vLLM's
+    assert step_budget(default, torch.device("cpu")) == (2048, 512)  # follows the queue
+    fixed = EngineConfig(model="m", max_num_batched_tokens=300)
+    assert step_budget(fixed, torch.device("cpu")) == (300, None)
