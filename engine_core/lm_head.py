@@ -248,14 +248,21 @@ class LMHead:
 
             self.pool.map(run, len(self.bounds))
             return counts.sum(0)
-        every = len(rows) == scan.logits.shape[0] and bool((rows == torch.arange(len(rows))).all())
-        picked: torch.Tensor | slice = slice(None) if every else rows.to(self.device)
+        # Most of the rows: count every row through views of the logits (the others against
+        # +inf) rather than gather copies of most of them, chunk by chunk.
+        total = scan.logits.shape[0]
+        every = 2 * len(rows) > total and len(set(rows.tolist())) == len(rows)
+        picked: torch.Tensor | slice = rows.to(self.device)
+        if every:
+            thr = torch.full((total,), float("inf"), device=self.device).index_copy_(0, picked, thr)
+            picked = slice(None)
 
-        def one(i: int) -> torch.Tensor:  # all rows: a view, not a copy of each chunk
+        def one(i: int) -> torch.Tensor:
             a, b = self.bounds[i]
             return (scan.logits[picked, a:b] > thr[:, None]).sum(-1)
 
-        return torch.stack(self.pool.map(one, len(self.bounds)), 1).sum(1).cpu()
+        counts = torch.stack(self.pool.map(one, len(self.bounds)), 1).sum(1)
+        return (counts[rows.to(self.device)] if every else counts).cpu()
 
 
 def gather_blocks(logits: torch.Tensor, blocks: torch.Tensor,

@@ -54,9 +54,7 @@ def _logprobs(head: LMHead, scan: Scan, rows: torch.Tensor, tokens: torch.Tensor
     lse = scan.lse[rows]
     ranks = torch.ones(len(rows), dtype=torch.int64)
     recount = torch.nonzero(tokens != scan.argmax[rows])[:, 0]
-    if 2 * len(recount) > len(rows):  # counting every row is cheaper than gathering most
-        ranks[recount] += head.count_above(scan, rows, chosen)[recount]
-    elif len(recount):
+    if len(recount):
         ranks[recount] += head.count_above(scan, rows[recount], chosen[recount])
     if k:
         assert scan.top_vals is not None and scan.top_ids is not None

@@ -76,6 +76,9 @@ def test_count_above(native_path: bool):
     thr = scan.logits[rows, torch.tensor([3, 700, 1499])]
     expected = (scan.logits[rows] > thr[:, None]).sum(-1)
     assert head.count_above(scan, rows, thr).tolist() == expected.tolist()
+    most = torch.tensor([8, 0, 3, 5, 6, 1])  # most rows, out of order: counted through views
+    thr = scan.logits[most, most * 150]
+    assert head.count_above(scan, most, thr).tolist() == (scan.logits[most] > thr[:, None]).sum(-1).tolist()
     every = torch.arange(9)
     thr = scan.logits[every, every * 100]
     assert head.count_above(scan, every, thr).tolist() == (scan.logits > thr[:, None]).sum(-1).tolist()
