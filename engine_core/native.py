@@ -56,9 +56,9 @@ def pack_panels(weight_t: torch.Tensor) -> torch.Tensor:
     return w.view(hidden, padded // PANEL, PANEL).transpose(0, 1).contiguous()
 
 
-def ptr(t: torch.Tensor | None, offset: int = 0) -> int | None:
-    """Address of element `offset` of `t` (float32/int64 storage), None for None."""
-    return None if t is None else t.data_ptr() + offset * t.element_size()
+def ptr(t: torch.Tensor | None) -> int | None:
+    """Address of `t`'s first element, None for None."""
+    return None if t is None else t.data_ptr()
 
 
 @functools.cache

@@ -17,6 +17,7 @@ from engine_core.request import Request, Status
 
 PROMPT_LOGPROB_ROWS = 256  # default budget of prompt positions scored per step (see Scheduler)
 
+
 @dataclass
 class Scheduled:
     request: Request
