@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import Counter
 from typing import NamedTuple
 
+import msgspec
 import numpy as np
 import torch
 
@@ -20,12 +20,19 @@ from engine_core.config import EngineConfig
 from engine_core.model_runner import ModelRunner
 from engine_core.outputs import Row, group_by_owner
 from engine_core.request import Request
-from engine_core.sampler import Sampler, TopLogprobs, token_logprobs
+from engine_core.sampler import Sampler, token_logprobs
 from engine_core.scheduler import Scheduled, Scheduler, SchedulerOutput
-from shared.messages import Finished, SamplingParams, StepOutputs
+from shared.messages import (
+    MAX_LOGPROBS,
+    EngineStats,
+    Finished,
+    FinishReason,
+    SamplingParams,
+    StepOutputs,
+)
+from shared.step_outputs import Logprobs
 
 log = logging.getLogger(__name__)
-MAX_LOGPROBS = 20
 PROMPT_LOGITS_ROWS = 64  # prompt positions per LM-head scan: 1.47 ms a row at 64, 1.78 at 32
 
 
@@ -57,21 +64,21 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._refused: list[Row] = []
         self._arrivals = itertools.count()
-        self.counters: Counter[str] = Counter()
+        self.counts = EngineStats()  # the counters; stats() adds the gauges
 
     # -- requests in ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     owner: bytes = b"") -> None:
         error = self._admission_error(request_id, prompt_token_ids, params)
-        reason = "error"
+        reason = FinishReason.ERROR
         if error is None and len(self.scheduler.waiting) >= self.config.max_waiting_requests:
-            reason, error = "overloaded", (
+            reason, error = FinishReason.OVERLOADED, (
                 f"the server is overloaded: {len(self.scheduler.waiting)} requests are already "
                 f"waiting (--max-waiting-requests {self.config.max_waiting_requests})")
         if error is not None:
-            log.log(logging.DEBUG if reason == "overloaded" else logging.INFO,
+            log.log(logging.DEBUG if reason is FinishReason.OVERLOADED else logging.INFO,
                     "refused %s: %s", request_id, error)
-            self.counters[f"rejected_{reason}"] += 1
+            _count(self.counts.rejected, reason)
             self._refused.append(Row(request_id, owner, finish=Finished(0, reason, message=error)))
             return
         req = Request(request_id, prompt_token_ids, params, owner, next(self._arrivals))
@@ -99,13 +106,13 @@ class EngineCore:
                     f"holds {self.blocks.num_blocks * self.blocks.block_size}")
         return None
 
-    def abort(self, request_ids: list[str], reason: str = "abort") -> None:
+    def abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
         """Drop these requests; `reason` "stop" when the frontend stopped them (stop string)."""
         for rid in request_ids:
             req = self.requests.pop(rid, None)
             if req is not None:
                 self.scheduler.remove(req)
-                self.counters[f"finished_{reason}"] += 1
+                _count(self.counts.finished, reason)
 
     @property
     def has_work(self) -> bool:
@@ -116,10 +123,14 @@ class EngineCore:
     def step(self) -> dict[bytes, StepOutputs]:
         """Run one step; return the news for each frontend (by owner identity)."""
         rows, self._refused = self._refused, []
+        self.counts.steps += 1
         sched = self.scheduler.schedule()
         if sched.scheduled:
             rows += self._execute(sched)
-        return group_by_owner(rows) if rows else {}
+        outputs = group_by_owner(rows) if rows else {}
+        self.counts.output_messages += len(outputs)
+        self.counts.output_rows += len(rows)
+        return outputs
 
     def _execute(self, sched: SchedulerOutput) -> list[Row]:
         plan = _plan_rows(sched.scheduled)
@@ -134,30 +145,30 @@ class EngineCore:
             s.request.num_computed_tokens += s.num_new
             self.scheduler.publish_computed_blocks(s.request)
             if s.completes_prefill and s.request.num_output_tokens == 0:  # once, as vLLM counts
-                self.counters["request_prompt_tokens"] += s.request.num_prompt_tokens
-            self.counters["prompt_tokens"] += max(0, min(s.start + s.num_new, s.request.num_prompt_tokens) - s.start)
+                self.counts.request_prompt_tokens += s.request.num_prompt_tokens
+            self.counts.prompt_tokens += max(0, min(s.start + s.num_new, s.request.num_prompt_tokens) - s.start)
         if sampled is not None:
             rows += self._accept_samples(samplers, sampled.token_ids, sampled.logprob_rows, sampled.logprobs)
         for s in sched.scheduled:
             req = s.request
             if s.completes_prefill and req.prefill_only:
-                rows.append(self._finish(Row(req.request_id, req.owner), req, "length"))
+                rows.append(self._finish(Row(req.request_id, req.owner), req, FinishReason.LENGTH))
         rows = _merge_prompt_logprobs(rows, prompt_lps)
         return rows
 
     def _accept_samples(self, reqs: list[Request], tokens: np.ndarray, lp_rows: np.ndarray,
-                        lps: TopLogprobs | None) -> list[Row]:
+                        lps: Logprobs | None) -> list[Row]:
         lp_at = {int(r): j for j, r in enumerate(lp_rows)}
         rows = []
         for i, req in enumerate(reqs):
             token = int(tokens[i])
             req.append_token(token)
-            self.counters["generation_tokens"] += 1
+            self.counts.generation_tokens += 1
             row = Row(req.request_id, req.owner, token)
             j = lp_at.get(i)
             if j is not None and lps is not None:
                 k = req.params.logprobs or 0
-                row.logprobs = TopLogprobs(lps.logprobs[j:j + 1], lps.ranks[j:j + 1],
+                row.logprobs = Logprobs(lps.logprobs[j:j + 1], lps.ranks[j:j + 1],
                                            lps.top_ids[j:j + 1, :k], lps.top_logprobs[j:j + 1, :k])
             reason, stop_token = self._stop_reason(req, token)
             if reason is not None:
@@ -165,32 +176,33 @@ class EngineCore:
             rows.append(row)
         return rows
 
-    def _stop_reason(self, req: Request, token: int) -> tuple[str | None, int | None]:
+    def _stop_reason(self, req: Request, token: int) -> tuple[FinishReason | None, int | None]:
         p = req.params
         if req.num_output_tokens > p.min_tokens:  # earlier stop tokens were masked out
             if token in p.stop_token_ids:
-                return "stop", token
+                return FinishReason.STOP, token
             if not p.ignore_eos and token in self.facts.eos_token_ids:
-                return "stop", None
+                return FinishReason.STOP, None
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length", None
+            return FinishReason.LENGTH, None
         return None, None
 
-    def _finish(self, row: Row, req: Request, reason: str, stop_token: int | None = None) -> Row:
+    def _finish(self, row: Row, req: Request, reason: FinishReason,
+                stop_token: int | None = None) -> Row:
         row.finish = Finished(0, reason, stop_token)
         self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
-        self.counters[f"finished_{reason}"] += 1
+        _count(self.counts.finished, reason)
         return row
 
     def _prompt_logprobs(self, scheduled: list[Scheduled], plan: _RowPlan,
-                         hidden: torch.Tensor) -> dict[str, TopLogprobs]:
+                         hidden: torch.Tensor) -> dict[str, Logprobs]:
         """Accumulate prompt logprobs per chunk; return the complete ones of this step.
 
         The LM head runs over at most PROMPT_LOGITS_ROWS positions at a time, so a long echoed
         prompt never materialises a [prompt_len, vocab] logits tensor at once.
         """
-        done: dict[str, TopLogprobs] = {}
+        done: dict[str, Logprobs] = {}
         for s, (lo, hi) in zip(scheduled, plan.prompt_rows):
             req = s.request
             if req.prompt_logprobs_done:
@@ -202,25 +214,31 @@ class EngineCore:
                 targets = torch.tensor(req.prompt_token_ids[first:first + b - a])
                 req.prompt_logprob_chunks.append(token_logprobs(self.runner.head, hidden[a:b], targets, k))
             if s.start + s.num_new >= req.num_prompt_tokens:
-                done[req.request_id] = _concat(req.prompt_logprob_chunks, req.params.prompt_logprobs or 0)
+                done[req.request_id] = Logprobs.concat(req.prompt_logprob_chunks, req.params.prompt_logprobs or 0)
                 req.prompt_logprob_chunks = []
                 req.prompt_logprobs_done = True
         return done
 
     # -- introspection ----------------------------------------------------------------------
-    def stats(self) -> dict[str, int]:
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "num_requests": len(self.requests),
-            "num_blocks": self.blocks.num_blocks,
-            "free_blocks": self.blocks.num_free_blocks,
-            "prefix_queries": self.blocks.stats.queries,
-            "prefix_hits": self.blocks.stats.hits,
-            "preemptions": self.scheduler.num_preemptions,
-            "chunked_prefills": self.scheduler.num_chunked_prefills,
-            **self.counters,
-        }
+    def stats(self) -> EngineStats:
+        return msgspec.structs.replace(
+            self.counts,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            num_requests=len(self.requests),
+            num_blocks=self.blocks.num_blocks,
+            free_blocks=self.blocks.num_free_blocks,
+            prefix_queries=self.blocks.stats.queries,
+            prefix_hits=self.blocks.stats.hits,
+            preemptions=self.scheduler.num_preemptions,
+            chunked_prefills=self.scheduler.num_chunked_prefills,
+            finished=dict(self.counts.finished),
+            rejected=dict(self.counts.rejected),
+        )
+
+
+def _count(counts: dict[FinishReason, int], reason: FinishReason) -> None:
+    counts[reason] = counts.get(reason, 0) + 1
 
 
 class _RowPlan(NamedTuple):
@@ -251,14 +269,7 @@ def _plan_rows(scheduled: list[Scheduled]) -> _RowPlan:
     return _RowPlan(keep, prompt_rows, len(prompt_keep))
 
 
-def _concat(chunks: list[TopLogprobs], k: int) -> TopLogprobs:
-    if not chunks:
-        return TopLogprobs(np.zeros(0, np.float32), np.zeros(0, np.int32),
-                           np.zeros((0, k), np.int32), np.zeros((0, k), np.float32))
-    return TopLogprobs(*(np.concatenate([getattr(c, f) for c in chunks]) for f in TopLogprobs._fields))
-
-
-def _merge_prompt_logprobs(rows: list[Row], done: dict[str, TopLogprobs]) -> list[Row]:
+def _merge_prompt_logprobs(rows: list[Row], done: dict[str, Logprobs]) -> list[Row]:
     if not done:
         return rows
     by_id = {r.request_id: r for r in rows}

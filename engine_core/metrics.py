@@ -14,29 +14,17 @@ logged once and left out, rather than mixed into totals it does not fit.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any
 
 from shared.messages import Histogram, MetricsReport
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class HistogramTotal:
-    bounds: list[float]
-    counts: list[int]  # per bucket, not cumulative; the last is +Inf
-    sum: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum}
-
-
 class HistogramTotals:
     """Running totals per histogram name. Only the engine's busy loop touches it."""
 
     def __init__(self) -> None:
-        self._totals: dict[str, HistogramTotal] = {}
+        self._totals: dict[str, Histogram] = {}
         self._mismatched: set[str] = set()
 
     def add(self, report: MetricsReport) -> None:
@@ -48,7 +36,8 @@ class HistogramTotals:
             log.warning("dropped histogram %r: %d counts for %d bounds", h.name, len(h.counts),
                         len(h.bounds))
             return
-        total = self._totals.setdefault(h.name, HistogramTotal(list(h.bounds), [0] * len(h.counts)))
+        total = self._totals.setdefault(
+            h.name, Histogram(h.name, list(h.bounds), [0] * len(h.counts), 0.0))
         if total.bounds != list(h.bounds):
             if h.name not in self._mismatched:
                 self._mismatched.add(h.name)
@@ -58,6 +47,7 @@ class HistogramTotals:
         total.counts = [a + b for a, b in zip(total.counts, h.counts)]
         total.sum += h.sum
 
-    def snapshot(self) -> dict[str, dict[str, Any]]:
-        """{name: {"bounds", "counts", "sum"}} as plain values, ready for the wire."""
-        return {name: total.as_dict() for name, total in self._totals.items()}
+    def snapshot(self) -> list[Histogram]:
+        """Copies of the totals, ready for the wire."""
+        return [Histogram(t.name, list(t.bounds), list(t.counts), t.sum)
+                for t in self._totals.values()]

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine_core.sampler import TopLogprobs
-from shared.messages import Finished, PromptLogprobs, StepOutputs, floats, ints
+from shared.messages import Finished, StepOutputs
+from shared.step_outputs import Logprobs, pack_step
 
 
 @dataclass
@@ -15,8 +15,8 @@ class Row:
     request_id: str
     owner: bytes
     token_id: int = -1
-    logprobs: TopLogprobs | None = None  # one row: arrays of length 1 / [1, k]
-    prompt_logprobs: TopLogprobs | None = None
+    logprobs: Logprobs | None = None  # one row: arrays of length 1 / [1, k]
+    prompt_logprobs: Logprobs | None = None
     finish: Finished | None = None
 
 
@@ -28,23 +28,27 @@ def group_by_owner(rows: list[Row]) -> dict[bytes, StepOutputs]:
 
 
 def encode_rows(rows: list[Row]) -> StepOutputs:
-    out = StepOutputs(req_ids=[r.request_id for r in rows],
-                      token_ids=ints([r.token_id for r in rows]))
-    with_lp = [r for r in rows if r.logprobs is not None]
+    with_lp = [r.logprobs for r in rows if r.logprobs is not None]
+    logprobs = lp_k = None
     if with_lp:
-        ks = [r.logprobs.top_ids.shape[-1] if r.logprobs is not None else -1 for r in rows]
-        out.lp_k = ints(ks)
-        out.lp_sampled = floats([r.logprobs.logprobs[0] if r.logprobs is not None else np.nan for r in rows])
-        out.lp_rank = ints([r.logprobs.ranks[0] if r.logprobs is not None else 0 for r in rows])
-        out.lp_top_ids = ints(np.concatenate([r.logprobs.top_ids.reshape(-1) for r in with_lp]))  # type: ignore[union-attr]
-        out.lp_top_vals = floats(np.concatenate([r.logprobs.top_logprobs.reshape(-1) for r in with_lp]))  # type: ignore[union-attr]
+        width = max(lp.top_ids.shape[1] for lp in with_lp)
+        filler = Logprobs(np.full(1, np.nan, np.float32), np.zeros(1, np.int32),
+                          np.zeros((1, width), np.int32), np.zeros((1, width), np.float32))
+        logprobs = Logprobs.concat([_widen(r.logprobs or filler, width) for r in rows])
+        lp_k = [-1 if r.logprobs is None else r.logprobs.top_ids.shape[1] for r in rows]
+    finished = []
     for i, r in enumerate(rows):
-        if r.prompt_logprobs is not None:
-            p = r.prompt_logprobs
-            out.prompt_logprobs.append(PromptLogprobs(
-                index=i, logprobs=floats(p.logprobs), ranks=ints(p.ranks), k=p.top_ids.shape[-1],
-                top_ids=ints(p.top_ids.reshape(-1)), top_logprobs=floats(p.top_logprobs.reshape(-1))))
         if r.finish is not None:
             r.finish.index = i
-            out.finished.append(r.finish)
-    return out
+            finished.append(r.finish)
+    prompts = {i: r.prompt_logprobs for i, r in enumerate(rows) if r.prompt_logprobs is not None}
+    return pack_step([r.request_id for r in rows], [r.token_id for r in rows], logprobs=logprobs,
+                     lp_k=lp_k, prompt_logprobs=prompts, finished=finished)
+
+
+def _widen(lp: Logprobs, width: int) -> Logprobs:
+    pad = width - lp.top_ids.shape[1]
+    if not pad:
+        return lp
+    return Logprobs(lp.logprobs, lp.ranks, np.pad(lp.top_ids, ((0, 0), (0, pad))),
+                    np.pad(lp.top_logprobs, ((0, 0), (0, pad))))

@@ -20,7 +20,6 @@ import os
 import queue
 import signal
 import threading
-from typing import Any
 
 import msgspec
 import zmq
@@ -32,6 +31,7 @@ from shared.messages import (
     AddRequest,
     EngineInput,
     EngineOutput,
+    FinishReason,
     Hello,
     MetricsReport,
     Ready,
@@ -95,7 +95,7 @@ class EngineProcess:
         elif isinstance(msg, AbortRequest):
             self.core.abort(msg.request_ids)
         elif isinstance(msg, StopRequest):
-            self.core.abort(msg.request_ids, reason="stop")
+            self.core.abort(msg.request_ids, reason=FinishReason.STOP)
         elif isinstance(msg, MetricsReport):
             self.histograms.add(msg)
         elif isinstance(msg, UtilityRequest):
@@ -103,12 +103,9 @@ class EngineProcess:
 
     def _utility(self, msg: UtilityRequest) -> UtilityResult:
         if msg.method == "stats":
-            result: dict[str, Any] = dict(self.core.stats())
-            result["histograms"] = self.histograms.snapshot()
-            return UtilityResult(msg.call_id, result)
-        if msg.method == "reset_prefix_cache":
-            self.core.blocks.reset_prefix_cache()
-            return UtilityResult(msg.call_id, {"ok": True})
+            stats = self.core.stats()
+            stats.histograms = self.histograms.snapshot()
+            return UtilityResult(msg.call_id, stats)
         return UtilityResult(msg.call_id, error=f"unknown utility method {msg.method!r}")
 
     # -- I/O side ---------------------------------------------------------------------------

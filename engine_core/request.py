@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
-
 import torch
 
 from shared.messages import SamplingParams
-
-if TYPE_CHECKING:
-    from engine_core.sampler import TopLogprobs
+from shared.step_outputs import Logprobs
 
 
 class Status(enum.Enum):
@@ -37,7 +33,7 @@ class Request:
         self.num_published_blocks = 0  # leading blocks already in the prefix cache
         self.status = Status.WAITING
         self.prompt_logprobs_done = params.prompt_logprobs is None
-        self.prompt_logprob_chunks: list[TopLogprobs] = []  # until the prompt is scored whole
+        self.prompt_logprob_chunks: list[Logprobs] = []  # until the prompt is scored whole
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

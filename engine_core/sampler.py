@@ -23,30 +23,24 @@ import torch
 
 from engine_core.lm_head import BLOCK, LMHead, Scan, gather_blocks
 from engine_core.request import Request
+from shared.step_outputs import Logprobs
 
 _GREEDY_EPS = 1e-5
-
-
-class TopLogprobs(NamedTuple):
-    logprobs: np.ndarray  # float32 [n] logprob of each row's token
-    ranks: np.ndarray  # int32 [n] 1 = most likely
-    top_ids: np.ndarray  # int32 [n, k]
-    top_logprobs: np.ndarray  # float32 [n, k]
 
 
 class SamplerOutput(NamedTuple):
     token_ids: np.ndarray  # int64 [S]
     logprob_rows: np.ndarray  # int64 indices of the rows with logprobs
-    logprobs: TopLogprobs | None
+    logprobs: Logprobs | None
 
 
-def token_logprobs(head: LMHead, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> TopLogprobs:
+def token_logprobs(head: LMHead, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> Logprobs:
     """Logprob and rank of `tokens` under the logits of `hidden` rows, plus each row's top-k."""
     scan = head.scan(hidden, lse=True, top_k=k)
     return _logprobs(head, scan, torch.arange(len(tokens)), tokens, k)
 
 
-def _logprobs(head: LMHead, scan: Scan, rows: torch.Tensor, tokens: torch.Tensor, k: int) -> TopLogprobs:
+def _logprobs(head: LMHead, scan: Scan, rows: torch.Tensor, tokens: torch.Tensor, k: int) -> Logprobs:
     """Logprobs of `tokens` (one per row of `rows`) from a scan made with lse and top_k >= k.
     A row's argmax has rank 1 without counting; other tokens are ranked by one more pass."""
     assert scan.lse is not None
@@ -61,7 +55,7 @@ def _logprobs(head: LMHead, scan: Scan, rows: torch.Tensor, tokens: torch.Tensor
         top_ids, top_lps = scan.top_ids[rows, :k], scan.top_vals[rows, :k] - lse[:, None]
     else:
         top_ids, top_lps = torch.zeros(len(rows), 0, dtype=torch.int64), torch.zeros(len(rows), 0)
-    return TopLogprobs((chosen - lse).numpy().astype(np.float32), ranks.numpy().astype(np.int32),
+    return Logprobs((chosen - lse).numpy().astype(np.float32), ranks.numpy().astype(np.int32),
                        top_ids.numpy().astype(np.int32), top_lps.numpy().astype(np.float32))
 
 

@@ -13,18 +13,16 @@ import asyncio
 import itertools
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple, cast
 
 import msgspec
-import numpy as np
 import zmq
 import zmq.asyncio
 
 from frontend.metrics import LatencyRecorder
-from frontend.output_processor import PromptLogprobsView, TokenLogprob
 from shared import messages as wire
-from shared.messages import as_floats, as_ints
+from shared.messages import FinishReason
+from shared.step_outputs import TokenLogprob, unpack_step
 from shared.transport import InputCodec, OutputCodec, configure, new_identity
 
 logger = logging.getLogger(__name__)
@@ -53,8 +51,8 @@ class StepItem(NamedTuple):
     choice: int  # the caller's index for this request within its OutputStream
     token_id: int | None  # None: no token sampled this step (prefill only, or finished)
     logprob: TokenLogprob | None
-    prompt_logprobs: PromptLogprobsView | None  # once per request, when asked
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    prompt_logprobs: list[TokenLogprob] | None  # prompt tokens 1..P-1, once, when asked
+    finish_reason: FinishReason | None
     stop_token_id: int | None = None
     error: str | None = None  # the engine's message with finish_reason "error"
 
@@ -64,8 +62,7 @@ class OutputStream:
 
     The routing task `put`s items; the consumer awaits `get()`, which returns every pending
     item at once (so a slow consumer catches up in one wake-up), `[]` once every request of the
-    stream has finished or been aborted, and raises EngineDeadError if the engine died
-    (`async for item in stream` does the same item by item).
+    stream has finished or been aborted, and raises EngineDeadError if the engine died.
     """
 
     def __init__(self) -> None:
@@ -109,37 +106,6 @@ class OutputStream:
             raise self._error
         return []
 
-    async def __aiter__(self) -> AsyncIterator[StepItem]:
-        """Item by item, until every request of the stream is done."""
-        while batch := await self.get():
-            for item in batch:
-                yield item
-
-
-def row_logprobs(out: wire.StepOutputs) -> list[TokenLogprob | None] | None:
-    """Per-row sampled-token logprobs from the columnar arrays (None: no row has any)."""
-    if not out.lp_k:
-        return None
-    ks = as_ints(out.lp_k).tolist()
-    ends = np.cumsum(np.maximum(as_ints(out.lp_k), 0)).tolist()
-    sampled, ranks = as_floats(out.lp_sampled).tolist(), as_ints(out.lp_rank).tolist()
-    ids, vals = as_ints(out.lp_top_ids).tolist(), as_floats(out.lp_top_vals).tolist()
-    starts = [0, *ends[:-1]]
-    return [
-        None if k < 0 else TokenLogprob(sampled[i], ranks[i], ids[a:b], vals[a:b])
-        for i, (k, a, b) in enumerate(zip(ks, starts, ends))
-    ]
-
-
-def prompt_logprobs_view(plp: wire.PromptLogprobs) -> PromptLogprobsView:
-    """Prompt tokens 1..P-1: their logprobs, ranks and top-k, as nested lists."""
-    logprobs = as_floats(plp.logprobs)
-    shape = (len(logprobs), plp.k)
-    top_ids = as_ints(plp.top_ids).reshape(shape) if plp.k else np.zeros(shape, np.int32)
-    top_vals = as_floats(plp.top_logprobs).reshape(shape) if plp.k else np.zeros(shape, np.float32)
-    ranks = as_ints(plp.ranks).tolist()
-    return PromptLogprobsView(logprobs.tolist(), ranks, top_ids.tolist(), top_vals.tolist())
-
 
 class EngineClient:
     """Async client of one engine core; create, `await start()`, use, `await close()`."""
@@ -162,7 +128,7 @@ class EngineClient:
         self._in = InputCodec()
         self._out = OutputCodec()
         self._requests: dict[str, tuple[OutputStream, int]] = {}
-        self._calls: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._calls: dict[int, asyncio.Future[wire.UtilityResult]] = {}
         self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self._unanswered_since: float | None = None
@@ -246,16 +212,23 @@ class EngineClient:
             entry = self._requests.pop(rid, None)
             if entry is not None:
                 entry[0].close(rid)
-                self.latency.on_finish(rid, "stop" if stopped else "abort")
+                self.latency.on_finish(rid, FinishReason.STOP if stopped else FinishReason.ABORT)
         ids = list(request_ids)
         self._send(wire.StopRequest(ids) if stopped else wire.AbortRequest(ids))
 
-    async def call_utility(self, method: str, timeout: float = 5.0) -> dict[str, Any]:
+    async def stats(self, timeout: float = 5.0) -> wire.EngineStats:
+        """The engine's figures; raises UtilityError, EngineDeadError, TimeoutError."""
+        result = await self.call_utility("stats", timeout)
+        if result.stats is None:
+            raise UtilityError("the engine answered \"stats\" without figures")
+        return result.stats
+
+    async def call_utility(self, method: str, timeout: float = 5.0) -> wire.UtilityResult:
         """Ask the engine for "stats" or "ping"; raises UtilityError, EngineDeadError, TimeoutError."""
         if not self._healthy:
             raise EngineDeadError("the engine is not answering")
         call_id = next(self._call_ids)
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[wire.UtilityResult] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
             self._send(wire.UtilityRequest(call_id, method))
@@ -295,35 +268,25 @@ class EngineClient:
                 logger.exception("failed to route an engine message")
 
     def _route(self, out: wire.StepOutputs) -> None:
-        tokens = as_ints(out.token_ids).tolist()
-        logprobs = row_logprobs(out)
-        prompts = {p.index: p for p in out.prompt_logprobs}
-        finished = {f.index: f for f in out.finished}
-        for row, rid in enumerate(out.req_ids):
+        for row in unpack_step(out):
+            rid, fin = row.request_id, row.finish
             entry = self._requests.get(rid)
-            fin = finished.get(row)
-            plp = prompts.get(row)
-            if entry is None or (tokens[row] < 0 and fin is None and plp is None):
+            if entry is None:
                 continue
             stream, choice = entry
-            token = tokens[row] if tokens[row] >= 0 else None
-            self.latency.on_output(rid, token is not None, fin.reason if fin else None)
-            if fin is not None and fin.reason == "overloaded":
+            self.latency.on_output(rid, row.token_id is not None, fin.reason if fin else None)
+            if fin is not None and fin.reason is FinishReason.OVERLOADED:
                 del self._requests[rid]
                 stream.close(rid)
                 self.abort(stream.unfinished)  # its sibling choices cannot be answered either
                 stream.fail(EngineOverloadedError(fin.message or "the server is overloaded"))
                 continue
-            logprob = logprobs[row] if logprobs is not None and token is not None else None
-            view = prompt_logprobs_view(plp) if plp is not None else None
-            if fin is None:
-                stream.put(rid, StepItem(choice, token, logprob, view, None))
-                continue
-            item = StepItem(
-                choice, token, logprob, view, fin.reason, fin.stop_token_id, fin.message
-            )
-            stream.put(rid, item)
-            del self._requests[rid]
+            if fin is not None:
+                del self._requests[rid]
+            stream.put(rid, StepItem(choice, row.token_id, row.logprob, row.prompt_logprobs,
+                                     fin.reason if fin else None,
+                                     fin.stop_token_id if fin else None,
+                                     fin.message if fin else None))
 
     def _resolve_call(self, result: wire.UtilityResult) -> None:
         future = self._calls.get(result.call_id)
@@ -332,7 +295,7 @@ class EngineClient:
         if result.error is not None:
             future.set_exception(UtilityError(result.error))
         else:
-            future.set_result(result.result)
+            future.set_result(result)
 
     def _heard(self) -> None:
         self._unanswered_since = None

@@ -30,9 +30,9 @@ import asyncio
 import bisect
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import zmq
 from aiohttp import web
@@ -42,7 +42,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
 from frontend.errors import OpenAIError
-from shared.messages import Histogram, MetricsReport
+from shared.messages import EngineStats, FinishReason, Histogram, MetricsReport
 
 if TYPE_CHECKING:  # engine_client imports this module for LatencyRecorder
     from frontend.engine_client import EngineClient
@@ -61,8 +61,9 @@ BUCKETS: dict[str, tuple[float, ...]] = {
     E2E: (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
           240.0, 480.0, 960.0, 1920.0, 7680.0),
 }
-FINISHED = ("stop", "length", "abort")  # request_success_total's finished_reason values
-REJECTED = ("overloaded", "error")
+# request_success_total's finished_reason values, and the reasons of refused requests
+FINISHED = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)
+REJECTED = (FinishReason.OVERLOADED, FinishReason.ERROR)
 
 
 class HistogramBuffer:
@@ -163,8 +164,8 @@ class LatencyRecorder:
         self._flush_is_soon = soon
 
 
-def render(stats: Mapping[str, Any], model_name: str) -> bytes:
-    """The Prometheus text exposition of the engine's "stats" (missing figures count as 0)."""
+def render(stats: EngineStats, model_name: str) -> bytes:
+    """The Prometheus text exposition of the engine's figures."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_StatsCollector(stats, model_name))
     return generate_latest(registry)
@@ -174,7 +175,7 @@ async def metrics_response(client: EngineClient, model_name: str) -> web.Respons
     """GET /metrics: 503 when the engine, which holds the figures, does not answer."""
     client.latency.flush()  # this frontend's latest observations reach the engine first
     try:
-        stats = await client.call_utility("stats")
+        stats = await client.stats()
     except (RuntimeError, TimeoutError) as exc:  # EngineDeadError, UtilityError, no answer
         message = f"Metrics are unavailable: the engine did not answer ({exc})."
         return OpenAIError(503, message).to_response()
@@ -184,42 +185,38 @@ async def metrics_response(client: EngineClient, model_name: str) -> web.Respons
 class _StatsCollector:
     """A one-scrape prometheus-client collector over one stats snapshot."""
 
-    def __init__(self, stats: Mapping[str, Any], model_name: str) -> None:
+    def __init__(self, stats: EngineStats, model_name: str) -> None:
         self.stats = stats
         self.model = model_name
 
     def collect(self) -> Iterator[Metric]:
-        get = self._get
+        stats = self.stats
         yield self._gauge("vllm:num_requests_running", "Requests running in the engine now.",
-                          get("running"))
+                          stats.running)
         yield self._gauge("vllm:num_requests_waiting", "Requests queued for a slot now.",
-                          get("waiting"))
-        total = get("num_blocks")
-        usage = 1.0 - get("free_blocks") / total if total else 0.0
+                          stats.waiting)
+        usage = 1.0 - stats.free_blocks / stats.num_blocks if stats.num_blocks else 0.0
         yield self._gauge("vllm:kv_cache_usage_perc",
                           "Fraction of KV-cache blocks in use (1 = full).", usage)
         yield self._counter("vllm:prompt_tokens", "Prompt tokens of requests whose prefill "
-                            "completed (prefix-cache hits included).", get("request_prompt_tokens"))
-        yield self._counter("vllm:generation_tokens", "Tokens sampled.", get("generation_tokens"))
+                            "completed (prefix-cache hits included).", stats.request_prompt_tokens)
+        yield self._counter("vllm:generation_tokens", "Tokens sampled.", stats.generation_tokens)
         yield self._by_label("vllm:request_success", "Requests finished, by reason.",
-                             "finished_reason", {r: get(f"finished_{r}") for r in FINISHED})
+                             "finished_reason", {r: stats.finished.get(r, 0) for r in FINISHED})
         yield self._by_label("tandem:requests_rejected", "Requests the engine refused: "
                              "'overloaded' (queue full, answered 503) or 'error' (invalid).",
-                             "reason", {r: get(f"rejected_{r}") for r in REJECTED})
+                             "reason", {r: stats.rejected.get(r, 0) for r in REJECTED})
         yield self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
-                            "cache.", get("prefix_queries"))
+                            "cache.", stats.prefix_queries)
         yield self._counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                            get("prefix_hits"))
+                            stats.prefix_hits)
         yield self._counter("vllm:num_preemptions", "Requests preempted for lack of KV cache "
-                            "(recomputed later).", get("preemptions"))
-        reported = self.stats.get("histograms") or {}
+                            "(recomputed later).", stats.preemptions)
+        reported = {h.name: h for h in stats.histograms}
         for name, doc in ((TTFT, "Time to first token, seconds."),
                           (ITL, "Time between consecutive tokens of a request, seconds."),
                           (E2E, "Request latency from arrival to finish, seconds.")):
             yield self._histogram(name, doc, reported.get(name))
-
-    def _get(self, key: str) -> float:
-        return float(self.stats.get(key, 0) or 0)
 
     def _gauge(self, name: str, doc: str, value: float) -> Metric:
         family = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -237,14 +234,14 @@ class _StatsCollector:
             family.add_metric([self.model, key], value)
         return family
 
-    def _histogram(self, name: str, doc: str, totals: Mapping[str, Any] | None) -> Metric:
+    def _histogram(self, name: str, doc: str, totals: Histogram | None) -> Metric:
         """From the engine's totals, or empty with this frontend's buckets before any report."""
-        bounds = list(totals["bounds"]) if totals else list(BUCKETS[name])
-        counts = list(totals["counts"]) if totals else [0] * (len(bounds) + 1)
+        bounds = list(totals.bounds) if totals else list(BUCKETS[name])
+        counts = list(totals.counts) if totals else [0] * (len(bounds) + 1)
         buckets, running = [], 0
         for le, count in zip([*map(floatToGoString, bounds), "+Inf"], counts):
             running += count
             buckets.append((le, float(running)))
         family = HistogramMetricFamily(name, doc, labels=["model_name"])
-        family.add_metric([self.model], buckets, float(totals["sum"]) if totals else 0.0)
+        family.add_metric([self.model], buckets, totals.sum if totals else 0.0)
         return family

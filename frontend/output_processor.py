@@ -25,12 +25,12 @@ from typing import Any, NamedTuple
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.logprob_text import TokenTextCache, token_id_repr
 from frontend.stop_strings import StopStringChecker
+from shared.step_outputs import TokenLogprob
 
 __all__ = [
     "ChoiceDelta",
     "ChoiceProcessor",
     "OutputOptions",
-    "PromptLogprobsView",
     "TokenLogprob",
     "TokenTextCache",
     "merge_deltas",
@@ -66,24 +66,6 @@ class ChoiceDelta:
         """Nothing worth sending: no text, no entries, no finish."""
         no_entries = not self.token_ids and not self.tokens
         return not self.text and no_entries and self.finish_reason is None
-
-
-class TokenLogprob(NamedTuple):
-    """The engine's logprobs for one sampled token."""
-
-    logprob: float
-    rank: int
-    top_ids: Sequence[int]
-    top_logprobs: Sequence[float]
-
-
-class PromptLogprobsView(NamedTuple):
-    """Logprobs of prompt tokens 1..P-1 (token 0 has none)."""
-
-    logprobs: Sequence[float]
-    ranks: Sequence[int]
-    top_ids: Sequence[Sequence[int]]
-    top_logprobs: Sequence[Sequence[float]]
 
 
 class _Entry(NamedTuple):
@@ -134,9 +116,10 @@ class ChoiceProcessor:
         a stop string included), for usage.completion_tokens."""
         return self._num_generated
 
-    def prompt(self, prompt_logprobs: PromptLogprobsView | None) -> ChoiceDelta:
+    def prompt(self, prompt_logprobs: Sequence[TokenLogprob] | None) -> ChoiceDelta:
         """Call once, before any step. With echo: the prompt text and, when logprobs were
-        asked, one entry per prompt token (the first with logprob and top None)."""
+        asked, one entry per prompt token (the first with logprob and top None);
+        `prompt_logprobs` are those of prompt tokens 1..P-1."""
         if self._options.echo:
             if self._options.logprobs is None:
                 self._emit(
@@ -151,11 +134,11 @@ class ChoiceProcessor:
             self._produced = self._released
         return self._delta()
 
-    def _echo_tokens(self, view: PromptLogprobsView | None) -> None:
+    def _echo_tokens(self, prompt_logprobs: Sequence[TokenLogprob] | None) -> None:
         """The prompt decoded token by token, so that each token's offset is known."""
         detok = self._detokenizer()
         for i, token_id in enumerate(self._prompt_ids):
-            logprob = None if i == 0 or view is None else _prompt_logprob(view, i - 1)
+            logprob = None if i == 0 or prompt_logprobs is None else prompt_logprobs[i - 1]
             released, text = self._released, detok.add(token_id)
             self._queue(token_id, logprob, released + detok.last_token_start, False)
             self._emit(text)
@@ -252,12 +235,6 @@ class ChoiceProcessor:
                 delta.text_offset.append(min(entry.offset, self._released))
         delta.finish_reason, delta.stop_reason = self._finish_reason, self._stop_reason
         return delta
-
-
-def _prompt_logprob(view: PromptLogprobsView, row: int) -> TokenLogprob:
-    return TokenLogprob(
-        view.logprobs[row], view.ranks[row], view.top_ids[row], view.top_logprobs[row]
-    )
 
 
 def merge_deltas(deltas: Iterable[ChoiceDelta]) -> ChoiceDelta:

@@ -11,11 +11,24 @@ Engine -> frontend: Ready, StepOutputs, UtilityResult.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 import numpy as np
+
+
+MAX_LOGPROBS = 20  # most top logprobs a request may ask for, per token (as OpenAI allows)
+
+
+class FinishReason(enum.StrEnum):
+    """Why the engine finished a request."""
+
+    STOP = "stop"  # EOS or a stop token (or, from the frontend, a stop string)
+    LENGTH = "length"  # max_tokens or the context length; also a prompt-only request
+    ABORT = "abort"  # the frontend aborted it
+    ERROR = "error"  # refused: the request can never run (Finished.message says why)
+    OVERLOADED = "overloaded"  # refused: the waiting queue is full
 
 
 class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -39,7 +52,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     min_tokens: int = 0
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    logprobs: int | None = None  # None => none; k => sampled token + top-k (k <= 20)
+    logprobs: int | None = None  # None => none; k => sampled token + top-k (k <= MAX_LOGPROBS)
     prompt_logprobs: int | None = None  # None => none; k => per prompt token + top-k
 
 
@@ -81,12 +94,6 @@ class UtilityRequest(_Wire, tag="util"):
     method: str  # "stats" | "ping"
 
 
-class UtilityResult(_Wire, tag="util_result"):
-    call_id: int
-    result: dict[str, Any] = {}
-    error: str | None = None
-
-
 class Histogram(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Observations of one latency histogram since a frontend's last report.
 
@@ -106,6 +113,36 @@ class MetricsReport(_Wire, tag="metrics"):
     histograms: list[Histogram]
 
 
+class EngineStats(msgspec.Struct, omit_defaults=True, gc=False):
+    """The engine's gauges and counters, and the whole server's latency histograms (the sum
+    of every frontend's reports), as the "stats" utility returns them."""
+
+    running: int = 0  # requests running now
+    waiting: int = 0  # requests queued for a slot now
+    num_requests: int = 0  # requests the engine holds (running + waiting)
+    num_blocks: int = 0  # KV-cache blocks in all
+    free_blocks: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of those, found cached
+    preemptions: int = 0
+    chunked_prefills: int = 0  # steps that computed a prompt only in part
+    request_prompt_tokens: int = 0  # prompt tokens of requests whose prefill completed
+    prompt_tokens: int = 0  # prompt tokens computed (recomputation after preemption included)
+    generation_tokens: int = 0  # tokens sampled
+    steps: int = 0  # engine steps run
+    output_messages: int = 0  # StepOutputs sent (one per frontend with news, per step)
+    output_rows: int = 0  # rows in them (requests with news)
+    finished: dict[FinishReason, int] = {}  # requests finished, by reason (stop, length, abort)
+    rejected: dict[FinishReason, int] = {}  # requests refused, by reason (overloaded, error)
+    histograms: list[Histogram] = []
+
+
+class UtilityResult(_Wire, tag="util_result"):
+    call_id: int
+    stats: EngineStats | None = None  # the answer to "stats"
+    error: str | None = None
+
+
 class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Logprobs of prompt tokens 1..P-1 (token 0 has none), sent once per request."""
 
@@ -119,7 +156,7 @@ class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 class Finished(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     index: int  # row in StepOutputs.req_ids
-    reason: str  # "stop" | "length" | "abort" | "error" | "overloaded" (refused: queue full)
+    reason: FinishReason
     stop_token_id: int | None = None  # set when a stop_token_ids entry ended it
     message: str | None = None  # for "error": why the engine refused the request
 

@@ -45,7 +45,7 @@ def run_engine(model: str, prompts: list[list[int]], output_len: int, **config) 
         core.step()
         steps += 1
     elapsed = time.perf_counter() - start
-    assert core.stats()["generation_tokens"] == len(prompts) * output_len + 2
+    assert core.stats().generation_tokens == len(prompts) * output_len + 2
     print(f"  engine: {steps} steps, {elapsed:.2f} s")
     return len(prompts) * output_len / elapsed
 

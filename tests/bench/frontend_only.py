@@ -57,7 +57,7 @@ from typing import Any, Self
 import zmq
 
 from frontend.bench import BenchConfig, BenchResult, Target, run_benchmark
-from shared.messages import UtilityRequest, UtilityResult
+from shared.messages import EngineStats, UtilityRequest, UtilityResult
 from shared.transport import InputCodec, OutputCodec, configure
 
 HERE = Path(__file__).resolve().parent
@@ -159,7 +159,7 @@ def own_cpu_seconds() -> float:
     return times.user + times.system
 
 
-def engine_stats(address: str) -> dict[str, Any]:
+def engine_stats(address: str) -> EngineStats:
     """The no-op engine's "stats" utility (steps, rows, ...), over a DEALER of our own."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -168,9 +168,9 @@ def engine_stats(address: str) -> dict[str, Any]:
         sock.connect(address)
         sock.send(InputCodec().encode(UtilityRequest(0, "stats")))
         if not sock.poll(5000):
-            return {}
+            return EngineStats()
         msg = OutputCodec().decode(sock.recv())
-        return msg.result if isinstance(msg, UtilityResult) else {}
+        return msg.stats if isinstance(msg, UtilityResult) and msg.stats else EngineStats()
     finally:
         sock.close(linger=0)
         ctx.term()
@@ -322,8 +322,8 @@ def measure(
     # prompts come first, untimed): CPU is read over that window only.
     summary = result.summary
     cpu = sampler.percent(ended - summary.duration_s, ended)
-    messages = after.get("messages", 0) - before.get("messages", 0)
-    rows = after.get("rows", 0) - before.get("rows", 0)
+    messages = after.output_messages - before.output_messages
+    rows = after.output_rows - before.output_rows
     if summary.failed:
         errors = ", ".join(f"{n}x {e}" for e, n in summary.errors.items())
         print(

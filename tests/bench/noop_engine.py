@@ -30,7 +30,6 @@ import os
 import signal
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,19 +41,19 @@ import zmq
 from shared.messages import (
     AbortRequest,
     AddRequest,
+    EngineStats,
     Finished,
+    FinishReason,
     Hello,
     MetricsReport,
-    PromptLogprobs,
     Ready,
     StepOutputs,
     StopRequest,
     UtilityRequest,
     UtilityResult,
     as_ints,
-    floats,
-    ints,
 )
+from shared.step_outputs import Logprobs, pack_step
 from shared.transport import InputCodec, OutputCodec, configure
 
 TOP_ID_MODULUS = 128000  # fake top-k ids stay below the Llama 3 special tokens
@@ -67,13 +66,13 @@ class _Request:
     rid: str
     owner: bytes
     tokens: list[int]  # what it emits, one per step; empty for max_tokens 0
-    finish: str  # reason sent with the last token
+    finish: FinishReason  # reason sent with the last token
     stop_token_id: int | None
     k: int  # -1: no logprobs
     sampled: list[float]
     top_ids: np.ndarray  # int32 [len(tokens), k]
     top_vals: np.ndarray  # float32 [len(tokens), k]
-    prompt_lp: tuple[bytes, bytes, int, bytes, bytes] | None  # sent in the first step
+    prompt_lp: Logprobs | None  # sent in the first step
     pos: int = 0
 
 
@@ -86,14 +85,14 @@ def plan_request(add: AddRequest, owner: bytes, bos: int | None, eos: list[int])
         source = prompt if len(prompt) else np.asarray([1000], dtype=np.int32)
     tokens = np.resize(source, max(params.max_tokens, 0)).astype(np.int32)
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
-    finish, stop_token_id = "length", None
+    finish, stop_token_id = FinishReason.LENGTH, None
     if stops and len(tokens):
         hits = np.isin(tokens, sorted(stops))
         hits[: params.min_tokens] = False
         if hits.any():
             last = int(np.argmax(hits))
             tokens = tokens[: last + 1]
-            finish = "stop"
+            finish = FinishReason.STOP
             if int(tokens[last]) in params.stop_token_ids:
                 stop_token_id = int(tokens[last])
     k = -1 if params.logprobs is None else params.logprobs
@@ -111,13 +110,8 @@ def plan_request(add: AddRequest, owner: bytes, bos: int | None, eos: list[int])
         lps = (-(np.arange(len(rest)) + 1) / 10).astype(np.float32)
         p_ids = (rest[:, None] + np.arange(pk, dtype=np.int32)) % TOP_ID_MODULUS
         p_vals = lps[:, None] - np.arange(pk, dtype=np.float32)
-        prompt_lp = (
-            floats(lps),
-            ints(np.ones(len(rest), dtype=np.int32)),
-            pk,
-            ints(p_ids.reshape(-1)) if pk else b"",
-            floats(p_vals.reshape(-1)) if pk else b"",
-        )
+        prompt_lp = Logprobs(lps, np.ones(len(rest), dtype=np.int32), p_ids.astype(np.int32),
+                             p_vals.astype(np.float32))
     return _Request(
         add.request_id,
         owner,
@@ -139,7 +133,7 @@ class NoopEngine:
         self.ready = ready
         self.step_interval = step_interval
         self.running: dict[str, _Request] = {}
-        self.counters: Counter[str] = Counter()
+        self.stats = EngineStats()
         self._stopping = threading.Event()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -184,27 +178,23 @@ class NoopEngine:
 
     def _handle(self, owner: bytes, msg: Any) -> None:
         if isinstance(msg, AddRequest):
-            self.counters["request_prompt_tokens"] += len(msg.prompt_token_ids) // 4
+            self.stats.request_prompt_tokens += len(msg.prompt_token_ids) // 4
             self.running[msg.request_id] = plan_request(
                 msg, owner, self.ready.bos_token_id, self.ready.eos_token_ids
             )
         elif isinstance(msg, (AbortRequest, StopRequest)):
-            reason = "stop" if isinstance(msg, StopRequest) else "abort"
+            reason = FinishReason.STOP if isinstance(msg, StopRequest) else FinishReason.ABORT
             for rid in msg.request_ids:
                 if self.running.pop(rid, None) is not None:
-                    self.counters[f"finished_{reason}"] += 1
+                    _count(self.stats.finished, reason)
         elif isinstance(msg, Hello):
             self._send(owner, self.ready)
         elif isinstance(msg, UtilityRequest):
             if msg.method == "ping":
                 self._send(owner, UtilityResult(msg.call_id))
             elif msg.method == "stats":
-                stats = {
-                    "running": len(self.running),
-                    "waiting": 0,
-                    "num_requests": len(self.running),
-                    **self.counters,
-                }
+                stats = msgspec.structs.replace(
+                    self.stats, running=len(self.running), num_requests=len(self.running))
                 self._send(owner, UtilityResult(msg.call_id, stats))
             else:
                 self._send(owner, UtilityResult(msg.call_id, error=f"unknown {msg.method!r}"))
@@ -217,58 +207,44 @@ class NoopEngine:
             by_owner.setdefault(req.owner, []).append(req)
         for owner, reqs in by_owner.items():
             self._send(owner, self._message(reqs))
-        self.counters["steps"] += 1
-        self.counters["messages"] += len(by_owner)
+        self.stats.steps += 1
+        self.stats.output_messages += len(by_owner)
 
     def _message(self, reqs: list[_Request]) -> StepOutputs:
         """One step of `reqs` (one frontend's running requests) as columnar StepOutputs."""
-        tokens: list[int] = []
-        lp_k: list[int] = []
-        sampled: list[float] = []
-        top_ids: list[np.ndarray] = []
-        top_vals: list[np.ndarray] = []
-        prompt_lps: list[PromptLogprobs] = []
+        n = len(reqs)
+        tokens = np.full(n, -1, np.int32)
+        lp_k = np.full(n, -1, np.int32)
+        width = max((req.k for req in reqs), default=0)
+        lps = Logprobs(np.zeros(n, np.float32), np.ones(n, np.int32),
+                       np.zeros((n, max(width, 0)), np.int32),
+                       np.zeros((n, max(width, 0)), np.float32))
+        prompt_lps: dict[int, Logprobs] = {}
         finished: list[Finished] = []
-        any_lp = False
         for row, req in enumerate(reqs):
             if req.prompt_lp is not None:
-                prompt_lps.append(PromptLogprobs(row, *req.prompt_lp))
-                req.prompt_lp = None
+                prompt_lps[row], req.prompt_lp = req.prompt_lp, None
             pos = req.pos
-            if pos < len(req.tokens):
-                tokens.append(req.tokens[pos])
+            if pos < len(req.tokens):  # else max_tokens 0: nothing sampled
+                tokens[row] = req.tokens[pos]
                 if req.k >= 0:
-                    any_lp = True
-                    lp_k.append(req.k)
-                    sampled.append(req.sampled[pos])
-                    top_ids.append(req.top_ids[pos])
-                    top_vals.append(req.top_vals[pos])
-                else:
-                    lp_k.append(-1)
-                    sampled.append(0.0)
+                    lp_k[row] = req.k
+                    lps.logprobs[row] = req.sampled[pos]
+                    lps.top_ids[row, : req.k] = req.top_ids[pos]
+                    lps.top_logprobs[row, : req.k] = req.top_vals[pos]
                 req.pos = pos = pos + 1
-            else:  # max_tokens 0: nothing sampled
-                tokens.append(-1)
-                lp_k.append(-1)
-                sampled.append(0.0)
             if pos >= len(req.tokens):
                 finished.append(Finished(row, req.finish, req.stop_token_id))
                 del self.running[req.rid]
-                self.counters[f"finished_{req.finish}"] += 1
-        n = len(reqs)
-        self.counters["rows"] += n
-        self.counters["generation_tokens"] += sum(t >= 0 for t in tokens)
-        return StepOutputs(
-            req_ids=[req.rid for req in reqs],
-            token_ids=ints(tokens),
-            lp_k=ints(lp_k) if any_lp else b"",
-            lp_sampled=floats(sampled) if any_lp else b"",
-            lp_rank=ints(np.ones(n, dtype=np.int32)) if any_lp else b"",
-            lp_top_ids=ints(np.concatenate(top_ids)) if top_ids else b"",
-            lp_top_vals=floats(np.concatenate(top_vals)) if top_vals else b"",
-            prompt_logprobs=prompt_lps,
-            finished=finished,
-        )
+                _count(self.stats.finished, req.finish)
+        self.stats.output_rows += n
+        self.stats.generation_tokens += int((tokens >= 0).sum())
+        return pack_step([req.rid for req in reqs], tokens, logprobs=lps, lp_k=lp_k,
+                         prompt_logprobs=prompt_lps, finished=finished)
+
+
+def _count(counts: dict[FinishReason, int], reason: FinishReason) -> None:
+    counts[reason] = counts.get(reason, 0) + 1
 
 
 def ready_for(model: str, name: str, max_model_len: int | None = None) -> Ready:

@@ -13,6 +13,7 @@ import zmq
 from shared.messages import (
     AddRequest,
     EngineOutput,
+    EngineStats,
     Hello,
     Ready,
     SamplingParams,
@@ -55,22 +56,23 @@ class EngineConn:
         assert isinstance(msg, Ready)
         return msg
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         call = next(self.calls)
         self.send(UtilityRequest(call, "stats"))
         while True:
             msg = self.recv()
             if isinstance(msg, UtilityResult) and msg.call_id == call:
-                return msg.result
+                assert msg.stats is not None, msg.error
+                return msg.stats
 
     def add(self, rid: str, prompt: list[int], **params) -> None:
         self.send(AddRequest(rid, ints(prompt), SamplingParams(**params)))
 
-    def wait_drained(self, timeout_s: float = 30.0) -> dict:
+    def wait_drained(self, timeout_s: float = 30.0) -> EngineStats:
         deadline = time.monotonic() + timeout_s
         while True:
             stats = self.stats()
-            if stats["num_requests"] == 0 or time.monotonic() > deadline:
+            if stats.num_requests == 0 or time.monotonic() > deadline:
                 return stats
             time.sleep(0.05)
 

@@ -72,5 +72,5 @@ def test_abort_frees_everything(engine_addr):
     assert isinstance(first, StepOutputs)
     conn.send(AbortRequest([f"long{i}" for i in range(8)]))
     stats = conn.wait_drained()
-    assert stats["num_requests"] == 0 and stats["free_blocks"] == stats["num_blocks"]
+    assert stats.num_requests == 0 and stats.free_blocks == stats.num_blocks
     conn.close()

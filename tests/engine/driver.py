@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine_core.engine import EngineCore
-from shared.messages import StepOutputs, as_floats, as_ints
+from shared.messages import StepOutputs
+from shared.step_outputs import unpack_step
 
 
 @dataclass
@@ -23,24 +24,19 @@ class Collected:
 
 
 def absorb(out: StepOutputs, results: dict[str, Collected]) -> None:
-    tokens = as_ints(out.token_ids)
-    ks = as_ints(out.lp_k) if out.lp_k else None
-    top = as_ints(out.lp_top_ids)
-    pos = 0
-    for i, rid in enumerate(out.req_ids):
-        r = results.setdefault(rid, Collected())
-        if tokens[i] >= 0:
-            r.token_ids.append(int(tokens[i]))
-        if ks is not None and ks[i] >= 0:
-            r.logprobs.append(float(as_floats(out.lp_sampled)[i]))
-            r.ranks.append(int(as_ints(out.lp_rank)[i]))
-            r.top_ids.append(top[pos:pos + ks[i]].tolist())
-            pos += int(ks[i])
-    for p in out.prompt_logprobs:
-        results[out.req_ids[p.index]].prompt_logprobs = as_floats(p.logprobs)
-    for f in out.finished:
-        r = results[out.req_ids[f.index]]
-        r.finish, r.stop_token_id, r.message = f.reason, f.stop_token_id, f.message
+    for row in unpack_step(out):
+        r = results.setdefault(row.request_id, Collected())
+        if row.token_id is not None:
+            r.token_ids.append(row.token_id)
+        if row.logprob is not None:
+            r.logprobs.append(row.logprob.logprob)
+            r.ranks.append(row.logprob.rank)
+            r.top_ids.append(list(row.logprob.top_ids))
+        if row.prompt_logprobs is not None:
+            r.prompt_logprobs = np.float32([lp.logprob for lp in row.prompt_logprobs])
+        if row.finish is not None:
+            f = row.finish
+            r.finish, r.stop_token_id, r.message = f.reason, f.stop_token_id, f.message
 
 
 def run(core: EngineCore, results: dict[str, Collected] | None = None, max_steps: int = 10_000,

@@ -88,8 +88,8 @@ def assert_parity(results: dict[str, Collected], prompts: list[list[int]], refer
 
 def assert_drained(core: EngineCore) -> None:
     stats = core.stats()
-    assert stats["num_requests"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
-    assert stats["free_blocks"] == stats["num_blocks"]
+    assert stats.num_requests == 0 and stats.running == 0 and stats.waiting == 0
+    assert stats.free_blocks == stats.num_blocks
 
 
 def engine(path: Path, **kw) -> EngineCore:
@@ -110,7 +110,7 @@ def test_preemption(tiny_llama, tokenizer, reference):
     core = engine(tiny_llama, num_kv_blocks=12, block_size=8)
     prompts = make_prompts(tokenizer)
     results = submit_and_run(core, prompts, prompt_logprobs=True)
-    assert core.stats()["preemptions"] > 0
+    assert core.stats().preemptions > 0
     assert_parity(results, prompts, reference)
     assert_drained(core)
 
@@ -119,7 +119,7 @@ def test_chunked_prefill(tiny_llama, tokenizer, reference):
     core = engine(tiny_llama, num_kv_blocks=512, max_num_batched_tokens=16)
     prompts = make_prompts(tokenizer)
     results = submit_and_run(core, prompts, prompt_logprobs=True)
-    assert core.stats()["chunked_prefills"] > 0
+    assert core.stats().chunked_prefills > 0
     assert_parity(results, prompts, reference)
     assert_drained(core)
 
@@ -129,10 +129,10 @@ def test_prefix_cache_hits(tiny_llama, tokenizer, reference):
     prefix = "You are a careful assistant. Answer briefly and exactly, in plain words. " * 3
     prompts = make_prompts(tokenizer, prefix=prefix)
     warm = submit_and_run(core, prompts[:2], tag="warm")
-    assert core.stats()["prefix_hits"] == 0 and warm
+    assert core.stats().prefix_hits == 0 and warm
     results = submit_and_run(core, prompts, prompt_logprobs=True)
     stats = core.stats()
-    assert stats["prefix_hits"] >= 11 * 8 * 3, stats  # the shared prefix, for the cacheable half
+    assert stats.prefix_hits >= 11 * 8 * 3, stats  # the shared prefix, for the cacheable half
     assert_parity(results, prompts, reference)
     assert_drained(core)
 

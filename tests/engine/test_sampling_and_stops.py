@@ -84,11 +84,11 @@ def test_penalties_change_repetitive_output(core, prompt):
 
 
 def test_max_tokens_zero_is_prefill_only(core, prompt):
-    before = core.stats()["generation_tokens"]
+    before = core.stats().generation_tokens
     out = one(core, prompt, max_tokens=0, prompt_logprobs=2)
     assert out.token_ids == [] and out.finish == "length"
     assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt) - 1
-    assert core.stats()["generation_tokens"] == before
+    assert core.stats().generation_tokens == before
 
 
 def test_max_model_len_finishes(core, prompt):
@@ -109,7 +109,7 @@ def test_request_larger_than_the_whole_cache_is_refused(tiny_llama, prompt):
     small.add_request("big", prompt, SamplingParams(max_tokens=50))
     out = run(small)["big"]
     assert out.finish == "error" and "KV cache" in out.message
-    assert small.stats()["free_blocks"] == 2
+    assert small.stats().free_blocks == 2
 
 
 def test_top_logprobs_are_sorted_and_ranked(core, prompt):

@@ -19,23 +19,24 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import zmq
 
 from shared.messages import (
     AbortRequest,
     AddRequest,
+    EngineStats,
     Finished,
+    FinishReason,
     Hello,
-    PromptLogprobs,
     Ready,
     StepOutputs,
     StopRequest,
     UtilityRequest,
     UtilityResult,
     as_ints,
-    floats,
-    ints,
 )
+from shared.step_outputs import Logprobs, pack_step
 from shared.transport import InputCodec, OutputCodec, configure
 
 BOS = 128000
@@ -90,24 +91,21 @@ class _Step:
     tokens: list[int] = field(default_factory=list)
     lp_k: list[int] = field(default_factory=list)
     lp_sampled: list[float] = field(default_factory=list)
-    lp_top_ids: list[int] = field(default_factory=list)
-    lp_top_vals: list[float] = field(default_factory=list)
-    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    lp_top: list[list[int]] = field(default_factory=list)
+    lp_top_vals: list[list[float]] = field(default_factory=list)
+    prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)
     finished: list[Finished] = field(default_factory=list)
 
     def message(self) -> StepOutputs:
-        has_lp = any(k >= 0 for k in self.lp_k)
-        return StepOutputs(
-            req_ids=self.req_ids,
-            token_ids=ints(self.tokens),
-            lp_k=ints(self.lp_k) if has_lp else b"",
-            lp_sampled=floats(self.lp_sampled) if has_lp else b"",
-            lp_rank=ints([1] * len(self.lp_k)) if has_lp else b"",
-            lp_top_ids=ints(self.lp_top_ids),
-            lp_top_vals=floats(self.lp_top_vals),
-            prompt_logprobs=self.prompt_logprobs,
-            finished=self.finished,
-        )
+        width = max(self.lp_k, default=0)
+        top = np.zeros((len(self.tokens), max(width, 0)), np.int32)
+        vals = np.zeros(top.shape, np.float32)
+        for i, (ids, v) in enumerate(zip(self.lp_top, self.lp_top_vals)):
+            top[i, : len(ids)], vals[i, : len(v)] = ids, v
+        logprobs = Logprobs(np.float32(self.lp_sampled), np.ones(len(self.tokens), np.int32),
+                            top, vals)
+        return pack_step(self.req_ids, self.tokens, logprobs=logprobs, lp_k=self.lp_k,
+                         prompt_logprobs=self.prompt_logprobs, finished=self.finished)
 
 
 class FakeEngine:
@@ -171,13 +169,13 @@ class FakeEngine:
             for rid in msg.request_ids:
                 self.running.pop(rid, None)
         elif isinstance(msg, UtilityRequest):
-            result = {"running": len(self.running), "aborted": len(self.aborted)}
-            if msg.method not in ("ping", "stats"):
-                self._send(identity, UtilityResult(msg.call_id, error=f"unknown {msg.method}"))
+            if msg.method == "stats":
+                stats = EngineStats(running=len(self.running), num_requests=len(self.running))
+                self._send(identity, UtilityResult(msg.call_id, stats))
+            elif msg.method == "ping":
+                self._send(identity, UtilityResult(msg.call_id))
             else:
-                self._send(
-                    identity, UtilityResult(msg.call_id, result if msg.method == "stats" else {})
-                )
+                self._send(identity, UtilityResult(msg.call_id, error=f"unknown {msg.method}"))
 
     def _step(self) -> None:
         steps: dict[bytes, _Step] = {}
@@ -196,46 +194,46 @@ class FakeEngine:
         params = req.add.params
         prompt_len = len(as_ints(req.add.prompt_token_ids))
         if not req.started and params.prompt_logprobs is not None:
-            step.prompt_logprobs.append(fake_prompt_logprobs(req.add, row))
+            step.prompt_logprobs[row] = fake_prompt_logprobs(req.add)
         req.started = True
         if self.error_prompt_len is not None and prompt_len > self.error_prompt_len:
             self._no_token(step)
-            return Finished(row, "error", message=f"prompt of {prompt_len} tokens can never fit")
+            message = f"prompt of {prompt_len} tokens can never fit"
+            return Finished(row, FinishReason.ERROR, message=message)
         if params.max_tokens == 0:
             self._no_token(step)
-            return Finished(row, "length")
+            return Finished(row, FinishReason.LENGTH)
         token = req.source[req.generated % len(req.source)]
         req.generated += 1
         step.tokens.append(token)
         k = -1 if params.logprobs is None else params.logprobs
         step.lp_k.append(k)
         step.lp_sampled.append(-0.25 * (req.generated % 4) if k >= 0 else 0.0)
-        step.lp_top_ids.extend((token + j) % 128000 for j in range(max(k, 0)))
-        step.lp_top_vals.extend(-0.25 * (req.generated % 4) - j for j in range(max(k, 0)))
+        step.lp_top.append([(token + j) % 128000 for j in range(max(k, 0))])
+        step.lp_top_vals.append([-0.25 * (req.generated % 4) - j for j in range(max(k, 0))])
         if token in params.stop_token_ids:
-            return Finished(row, "stop", stop_token_id=token)
+            return Finished(row, FinishReason.STOP, stop_token_id=token)
         if token == EOS and not params.ignore_eos:
-            return Finished(row, "stop")
-        return Finished(row, "length") if req.generated >= params.max_tokens else None
+            return Finished(row, FinishReason.STOP)
+        return Finished(row, FinishReason.LENGTH) if req.generated >= params.max_tokens else None
 
     @staticmethod
     def _no_token(step: _Step) -> None:
         step.tokens.append(-1)
         step.lp_k.append(-1)
         step.lp_sampled.append(0.0)
+        step.lp_top.append([])
+        step.lp_top_vals.append([])
 
 
-def fake_prompt_logprobs(add: AddRequest, row: int) -> PromptLogprobs:
+def fake_prompt_logprobs(add: AddRequest) -> Logprobs:
     """Prompt token i (1..P-1) gets logprob -i/10, rank 1, top-k led by the token itself."""
-    prompt = as_ints(add.prompt_token_ids).tolist()[1:]
+    prompt = as_ints(add.prompt_token_ids)[1:]
     k = add.params.prompt_logprobs or 0
-    top_ids = [(t + j) % 128000 for t in prompt for j in range(k)]
-    top_vals = [-(i + 1) / 10 - j for i in range(len(prompt)) for j in range(k)]
-    return PromptLogprobs(
-        row,
-        floats([-(i + 1) / 10 for i in range(len(prompt))]),
-        ints([1] * len(prompt)),
-        k,
-        ints(top_ids),
-        floats(top_vals),
+    rows = np.arange(len(prompt))
+    return Logprobs(
+        (-(rows + 1) / 10).astype(np.float32),
+        np.ones(len(prompt), np.int32),
+        ((prompt[:, None] + np.arange(k)) % 128000).astype(np.int32),
+        (-(rows[:, None] + 1) / 10 - np.arange(k)).astype(np.float32),
     )

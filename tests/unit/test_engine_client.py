@@ -15,18 +15,8 @@ from frontend.engine_client import (
     OutputStream,
     StepItem,
     UtilityError,
-    prompt_logprobs_view,
-    row_logprobs,
 )
-from shared.messages import (
-    Hello,
-    PromptLogprobs,
-    Ready,
-    SamplingParams,
-    StepOutputs,
-    floats,
-    ints,
-)
+from shared.messages import Hello, Ready, SamplingParams
 from shared.transport import InputCodec, OutputCodec
 from tests.unit.fake_engine import FakeEngine
 
@@ -72,11 +62,11 @@ async def test_tokens_logprobs_and_finish_are_routed(client: EngineClient) -> No
 
 async def test_prompt_only_request_brings_prompt_logprobs(client: EngineClient) -> None:
     params = SamplingParams(max_tokens=0, prompt_logprobs=1)
-    [item] = [i async for i in client.add("r1", PROMPT, params)]
+    [item] = await drain(client.add("r1", PROMPT, params))
     assert item.token_id is None and item.finish_reason == "length"
     assert item.prompt_logprobs is not None
-    assert item.prompt_logprobs.logprobs == pytest.approx([-0.1, -0.2, -0.3])
-    assert item.prompt_logprobs.top_ids == [[9906], [1917], [0]]
+    assert [lp.logprob for lp in item.prompt_logprobs] == pytest.approx([-0.1, -0.2, -0.3])
+    assert [lp.top_ids for lp in item.prompt_logprobs] == [[9906], [1917], [0]]
 
 
 async def test_one_stream_carries_several_requests(client: EngineClient) -> None:
@@ -110,7 +100,8 @@ async def test_engine_error_finish_carries_the_message(engine: FakeEngine) -> No
 
 
 async def test_utilities(client: EngineClient) -> None:
-    assert await client.call_utility("stats") == {"running": 0, "aborted": 0}
+    stats = await client.stats()
+    assert (stats.running, stats.finished) == (0, {})
     with pytest.raises(UtilityError):
         await client.call_utility("nope")
 
@@ -143,25 +134,3 @@ async def test_undecodable_frames_are_dropped() -> None:
     await client.close()
     router.close(linger=0)
     ctx.term()
-
-
-def test_row_logprobs_splits_the_columns() -> None:
-    out = StepOutputs(
-        ["a", "b", "c"],
-        ints([1, 2, 3]),
-        lp_k=ints([2, -1, 0]),
-        lp_sampled=floats([-1, 0, -3]),
-        lp_rank=ints([1, 0, 4]),
-        lp_top_ids=ints([1, 7]),
-        lp_top_vals=floats([-1, -2]),
-    )
-    rows = row_logprobs(out)
-    assert rows is not None and rows[0] is not None and rows[1] is None and rows[2] is not None
-    assert (rows[0].logprob, rows[0].rank, list(rows[0].top_ids)) == (-1.0, 1, [1, 7])
-    assert (rows[2].logprob, rows[2].rank, list(rows[2].top_ids)) == (-3.0, 4, [])
-    assert row_logprobs(StepOutputs(["a"], ints([1]))) is None
-
-
-def test_prompt_logprobs_view_without_top_k() -> None:
-    view = prompt_logprobs_view(PromptLogprobs(0, floats([-1, -2]), ints([3, 4])))
-    assert view.logprobs == [-1, -2] and view.ranks == [3, 4] and view.top_ids == [[], []]

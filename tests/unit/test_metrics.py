@@ -1,4 +1,4 @@
-"""/metrics: rendering from a stats dict, latency recording, engine-side totals, and the
+"""/metrics: rendering from the engine's stats, latency recording, engine-side totals, and the
 overload refusal's mapping to 503, against the fake engine (no model)."""
 
 from __future__ import annotations
@@ -13,16 +13,24 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_core.metrics import HistogramTotals
 from frontend.metrics import BUCKETS, E2E, ITL, TTFT, HistogramBuffer, LatencyRecorder, render
 from frontend.server import init_app
-from shared.messages import AddRequest, Finished, Histogram, MetricsReport, StopRequest
+from shared.messages import (
+    AddRequest,
+    EngineStats,
+    Finished,
+    FinishReason,
+    Histogram,
+    MetricsReport,
+    StopRequest,
+)
 from tests.unit.fake_engine import FakeEngine, cached_tokenizer, frontend_config
 
-STATS: dict[str, Any] = {
-    "running": 3, "waiting": 2, "num_blocks": 200, "free_blocks": 150,
-    "request_prompt_tokens": 120, "generation_tokens": 55, "finished_stop": 4,
-    "finished_length": 7, "finished_abort": 1, "rejected_overloaded": 9, "prefix_queries": 130,
-    "prefix_hits": 32, "preemptions": 2,
-    "histograms": {TTFT: {"bounds": [0.1, 1.0], "counts": [2, 1, 1], "sum": 3.25}},
-}
+STATS = EngineStats(
+    running=3, waiting=2, num_blocks=200, free_blocks=150, request_prompt_tokens=120,
+    generation_tokens=55,
+    finished={FinishReason.STOP: 4, FinishReason.LENGTH: 7, FinishReason.ABORT: 1},
+    rejected={FinishReason.OVERLOADED: 9}, prefix_queries=130, prefix_hits=32, preemptions=2,
+    histograms=[Histogram(TTFT, [0.1, 1.0], [2, 1, 1], 3.25)],
+)
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -60,7 +68,7 @@ def test_render_uses_vllm_names_and_the_engine_figures() -> None:
 
 
 def test_render_without_figures_is_all_zero() -> None:
-    got = samples(render({}, "m").decode())
+    got = samples(render(EngineStats(), "m").decode())
     assert got and all(v == 0 for v in got.values())
 
 
@@ -81,11 +89,11 @@ class FakeClock:
         return self.now
 
 
-def totals(reports: list[MetricsReport]) -> dict[str, dict[str, Any]]:
+def totals(reports: list[MetricsReport]) -> dict[str, Histogram]:
     engine_side = HistogramTotals()
     for report in reports:
         engine_side.add(report)
-    return engine_side.snapshot()
+    return {h.name: h for h in engine_side.snapshot()}
 
 
 async def test_latency_recorder_times_requests_and_reports_soon_after_a_finish() -> None:
@@ -105,21 +113,21 @@ async def test_latency_recorder_times_requests_and_reports_soon_after_a_finish()
     assert not sent
     await asyncio.sleep(0)  # one loop turn: the finish flushes without waiting 60 s
     got = totals(sent)
-    assert got[TTFT]["counts"][BUCKETS[TTFT].index(0.5)] == 1 and got[TTFT]["sum"] == 0.5
-    assert sum(got[ITL]["counts"]) == 2 and got[ITL]["sum"] == 0.5
-    assert sum(got[E2E]["counts"]) == 2 and got[E2E]["sum"] == pytest.approx(2.0 + 1.0)
+    assert got[TTFT].counts[BUCKETS[TTFT].index(0.5)] == 1 and got[TTFT].sum == 0.5
+    assert sum(got[ITL].counts) == 2 and got[ITL].sum == 0.5
+    assert sum(got[E2E].counts) == 2 and got[E2E].sum == pytest.approx(2.0 + 1.0)
     rec.on_add("b")
     rec.on_finish("b", "abort")  # a client disconnect still has an end-to-end latency
     rec.on_finish("b", "abort")  # and only one
     await asyncio.sleep(0)
-    assert sum(totals(sent)[E2E]["counts"]) == 3
+    assert sum(totals(sent)[E2E].counts) == 3
 
 
 def test_engine_totals_add_up_frontends_and_leave_out_other_buckets() -> None:
     one = MetricsReport([Histogram("h", [1.0], [1, 0], 0.5)])
     other = MetricsReport([Histogram("h", [1.0], [2, 1], 3.0)])
     foreign = MetricsReport([Histogram("h", [2.0], [5, 5], 9.0)])
-    assert totals([one, other, foreign]) == {"h": {"bounds": [1.0], "counts": [3, 1], "sum": 3.5}}
+    assert totals([one, other, foreign]) == {"h": Histogram("h", [1.0], [3, 1], 3.5)}
 
 
 class OverloadedFakeEngine(FakeEngine):
@@ -141,7 +149,8 @@ class OverloadedFakeEngine(FakeEngine):
         add: AddRequest = req.add
         if 666 in req.source and add.request_id.endswith("-0"):
             self._no_token(step)
-            return Finished(row, "overloaded", message="the server is overloaded: 2 waiting")
+            message = "the server is overloaded: 2 waiting"
+            return Finished(row, FinishReason.OVERLOADED, message=message)
         return super()._advance(req, step, row)
 
 
@@ -184,4 +193,4 @@ async def test_metrics_endpoint_and_latency_reports_reach_the_engine(
     await asyncio.sleep(0.1)
     assert len(engine.stopped) == 1  # the engine counts it as "stop", not "abort"
     got = totals(engine.reports)
-    assert sum(got[TTFT]["counts"]) == 2 and sum(got[E2E]["counts"]) == 2
+    assert sum(got[TTFT].counts) == 2 and sum(got[E2E].counts) == 2

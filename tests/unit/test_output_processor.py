@@ -13,14 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.output_processor import (
-    ChoiceDelta,
-    ChoiceProcessor,
-    OutputOptions,
-    PromptLogprobsView,
-    TokenLogprob,
-    merge_deltas,
-)
+from frontend.output_processor import ChoiceDelta, ChoiceProcessor, OutputOptions, merge_deltas
+from shared.step_outputs import TokenLogprob
 from tests.unit.test_detokenizer import straddling_ids
 
 REPLACEMENT = "\ufffd"
@@ -34,14 +28,11 @@ def fake_logprob(token_id: int, i: int, k: int = 2) -> TokenLogprob:
     return TokenLogprob(value, 1, top_ids, [value - j for j in range(len(top_ids))])
 
 
-def fake_prompt_view(prompt_ids: Sequence[int], k: int = 2) -> PromptLogprobsView:
-    rows = range(len(prompt_ids) - 1)
-    return PromptLogprobsView(
-        logprobs=[-1.0 - r for r in rows],
-        ranks=[3 for _ in rows],
-        top_ids=[list(FILLER_IDS[:k]) for _ in rows],
-        top_logprobs=[[-0.5 - j for j in range(k)] for _ in rows],
-    )
+def fake_prompt_view(prompt_ids: Sequence[int], k: int = 2) -> list[TokenLogprob]:
+    return [
+        TokenLogprob(-1.0 - r, 3, list(FILLER_IDS[:k]), [-0.5 - j for j in range(k)])
+        for r in range(len(prompt_ids) - 1)
+    ]
 
 
 def run_choice(

@@ -1,0 +1,134 @@
+"""The step-output columns: one pack/unpack pair for whoever writes or reads `StepOutputs`.
+
+The engine packs a step's news column by column (`pack_step`); frontends, the test engines
+and the engine tests unpack it row by row (`unpack_step`). Logprobs travel as `Logprobs`
+columns (numpy arrays) on the engine side and reach the frontend as one `TokenLogprob` per
+token, with plain Python values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from shared.messages import Finished, PromptLogprobs, StepOutputs, as_floats, as_ints, floats, ints
+
+
+class Logprobs(NamedTuple):
+    """Logprobs of n tokens, column by column."""
+
+    logprobs: np.ndarray  # float32 [n] each token's logprob
+    ranks: np.ndarray  # int32 [n] 1 = most likely
+    top_ids: np.ndarray  # int32 [n, k]
+    top_logprobs: np.ndarray  # float32 [n, k]
+
+    def __len__(self) -> int:  # type: ignore[override]  # rows, not fields
+        return len(self.logprobs)
+
+    def take(self, rows: np.ndarray | Sequence[int], k: int | None = None) -> Logprobs:
+        """These rows (and the first `k` top entries of each)."""
+        idx = np.asarray(rows, dtype=np.int64)
+        cols = slice(None) if k is None else slice(0, k)
+        return Logprobs(self.logprobs[idx], self.ranks[idx], self.top_ids[idx, cols],
+                        self.top_logprobs[idx, cols])
+
+    @staticmethod
+    def empty(k: int = 0) -> Logprobs:
+        return Logprobs(np.zeros(0, np.float32), np.zeros(0, np.int32),
+                        np.zeros((0, k), np.int32), np.zeros((0, k), np.float32))
+
+    @staticmethod
+    def concat(parts: Sequence[Logprobs], k: int = 0) -> Logprobs:
+        if not parts:
+            return Logprobs.empty(k)
+        return Logprobs(*(np.concatenate([p[f] for p in parts]) for f in range(4)))
+
+
+class TokenLogprob(NamedTuple):
+    """One token's logprobs, as the frontend uses them."""
+
+    logprob: float
+    rank: int
+    top_ids: Sequence[int]
+    top_logprobs: Sequence[float]
+
+
+class OutputRow(NamedTuple):
+    """What one step brought one request."""
+
+    request_id: str
+    token_id: int | None  # None: no token this step (a prefill chunk, or a finish alone)
+    logprob: TokenLogprob | None
+    prompt_logprobs: list[TokenLogprob] | None  # prompt tokens 1..P-1, once, when asked
+    finish: Finished | None
+
+
+def pack_step(req_ids: list[str], token_ids: np.ndarray | Sequence[int], *,
+              logprobs: Logprobs | None = None, lp_k: np.ndarray | Sequence[int] | None = None,
+              prompt_logprobs: Mapping[int, Logprobs] | None = None,
+              finished: Sequence[Finished] = ()) -> StepOutputs:
+    """One message from columns whose row i is request `req_ids[i]`.
+
+    token_ids[i] is -1 where row i sampled nothing. `logprobs` rows align with `req_ids`;
+    lp_k[i] is -1 where row i has none (its logprobs row is ignored), else how many of its
+    top entries are sent. `prompt_logprobs` maps a row to its prompt's logprobs; each
+    `Finished.index` names its row.
+    """
+    out = StepOutputs(req_ids=req_ids, token_ids=ints(token_ids), finished=list(finished))
+    if logprobs is not None and lp_k is not None:
+        ks = np.asarray(lp_k, dtype=np.int32)
+        if (ks >= 0).any():
+            width = logprobs.top_ids.shape[1]
+            keep = np.arange(width)[None, :] < ks[:, None]  # row-major: each row's top-k in turn
+            out.lp_k = ints(ks)
+            out.lp_sampled = floats(logprobs.logprobs)
+            out.lp_rank = ints(logprobs.ranks)
+            out.lp_top_ids = ints(logprobs.top_ids[keep])
+            out.lp_top_vals = floats(logprobs.top_logprobs[keep])
+    for row, lps in (prompt_logprobs or {}).items():
+        out.prompt_logprobs.append(PromptLogprobs(
+            index=row, logprobs=floats(lps.logprobs), ranks=ints(lps.ranks),
+            k=lps.top_ids.shape[1], top_ids=ints(lps.top_ids.reshape(-1)),
+            top_logprobs=floats(lps.top_logprobs.reshape(-1))))
+    return out
+
+
+def unpack_step(out: StepOutputs) -> list[OutputRow]:
+    """The rows of `out` that bring anything (a token, prompt logprobs or a finish)."""
+    tokens = as_ints(out.token_ids).tolist()
+    logprobs = _token_logprobs(out)
+    prompts = {p.index: p for p in out.prompt_logprobs}
+    finished = {f.index: f for f in out.finished}
+    rows = []
+    for i, rid in enumerate(out.req_ids):
+        fin, plp = finished.get(i), prompts.get(i)
+        token = tokens[i] if tokens[i] >= 0 else None
+        if token is None and fin is None and plp is None:
+            continue
+        logprob = logprobs[i] if logprobs is not None and token is not None else None
+        rows.append(OutputRow(rid, token, logprob, None if plp is None else prompt_rows(plp), fin))
+    return rows
+
+
+def _token_logprobs(out: StepOutputs) -> list[TokenLogprob | None] | None:
+    if not out.lp_k:
+        return None
+    ks = as_ints(out.lp_k).tolist()
+    ends = np.cumsum(np.maximum(as_ints(out.lp_k), 0)).tolist()
+    sampled, ranks = as_floats(out.lp_sampled).tolist(), as_ints(out.lp_rank).tolist()
+    ids, vals = as_ints(out.lp_top_ids).tolist(), as_floats(out.lp_top_vals).tolist()
+    starts = [0, *ends[:-1]]
+    return [None if k < 0 else TokenLogprob(sampled[i], ranks[i], ids[a:b], vals[a:b])
+            for i, (k, a, b) in enumerate(zip(ks, starts, ends))]
+
+
+def prompt_rows(plp: PromptLogprobs) -> list[TokenLogprob]:
+    """Prompt tokens 1..P-1, one TokenLogprob each."""
+    logprobs = as_floats(plp.logprobs).tolist()
+    ranks = as_ints(plp.ranks).tolist()
+    n, k = len(logprobs), plp.k
+    top_ids = as_ints(plp.top_ids).reshape(n, k).tolist() if k else [[] for _ in range(n)]
+    top_vals = as_floats(plp.top_logprobs).reshape(n, k).tolist() if k else [[] for _ in range(n)]
+    return [TokenLogprob(*row) for row in zip(logprobs, ranks, top_ids, top_vals)]
