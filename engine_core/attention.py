@@ -4,8 +4,8 @@ The step's metadata (`AttentionMetadata`) is built once per step with array ops 
 by every layer. Each layer writes the step's new K/V into its slots of the paged cache, then
 attends:
 - decodes (one query each) in one batched SDPA call over their contexts, gathered a whole
-  cache block at a time (index_select of 16-token blocks: ~4x faster than gathering slot by
-  slot) and padded to the longest with a mask;
+  cache block at a time (index_select of whole blocks, much faster than gathering slot by
+  slot: docs/benchmarks.md) and padded to the longest with a mask;
 - prefill chunks one SDPA call each, causal with the chunk's offset in its sequence. A chunk
   that starts its sequence attends to the step's own K/V, with no gather at all; a later chunk
   (after a cached prefix, or a chunked prompt's next part) gathers its context's blocks.
@@ -28,7 +28,8 @@ class PrefillChunk:
     blocks: torch.Tensor | None  # [nb] cache blocks of positions 0..ctx-1; None: a sequence's
     # first chunk, which attends to the step's own K/V
     context: int  # ctx: positions attended to
-    mask: torch.Tensor | None  # [q, ctx] bool, True = attend; None when the chunk is the whole context
+    # [q, ctx] bool, True = attend; None when the chunk is the whole context
+    mask: torch.Tensor | None
 
 
 @dataclass

@@ -25,7 +25,8 @@ def block_key(parent_hash: int, tokens: Sequence[int]) -> BlockKey:
     return (parent_hash, tuple(tokens))
 
 
-def chain_hashes(token_ids: Sequence[int], block_size: int, start: list[int] | None = None) -> list[int]:
+def chain_hashes(token_ids: Sequence[int], block_size: int,
+                 start: list[int] | None = None) -> list[int]:
     """Hash chain over the full blocks of `token_ids`, extending `start` (already hashed)."""
     hashes = list(start or [])
     parent = hashes[-1] if hashes else 0
@@ -42,7 +43,8 @@ class PrefixStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -119,8 +121,3 @@ class BlockManager:
                 self._cached[key] = b
                 self._key_of[b] = key
         return max(upto, already)
-
-    def reset_prefix_cache(self) -> None:
-        for key, b in list(self._cached.items()):
-            self._key_of[b] = None
-        self._cached.clear()

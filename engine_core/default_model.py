@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,8 +63,10 @@ TINY_QWEN2 = TinySpec(
 )
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
+def cache_root(environ: Mapping[str, str] | None = None) -> Path:
+    """Tandem's cache folder: `TANDEM_CACHE` of `environ` (the process's own by default)."""
+    env = os.environ if environ is None else environ
+    return Path(env.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
 
 
 def ensure_model(spec: TinySpec = DEFAULT, root: Path | None = None) -> Path:
@@ -120,7 +123,8 @@ def _add_bos_post_processor(tok: dict, bos: str) -> None:
     bos_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == bos)
     template = {
         "type": "TemplateProcessing",
-        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                   {"Sequence": {"id": "A", "type_id": 0}}],
         "pair": [
             {"SpecialToken": {"id": bos, "type_id": 0}},
             {"Sequence": {"id": "A", "type_id": 0}},

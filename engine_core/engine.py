@@ -1,8 +1,8 @@
 """EngineCore: requests in, one step at a time, columnar outputs out. No I/O here.
 
-`step()` is the pipeline: schedule -> run the model -> sample -> update request states.
-The process wrapper (engine_core/process.py) feeds it from sockets; tests and the benchmark
-drive it in-process.
+`step()` is the pipeline: schedule -> run the model -> sample -> update request states (the
+scheduler) -> pack outputs. The process wrapper (engine_core/process.py) feeds it from
+sockets; tests and the benchmark drive it in-process.
 """
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ import torch
 from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
 from engine_core.model_runner import ModelRunner
-from engine_core.outputs import Row, group_by_owner
+from engine_core.outputs import StepNews
+from engine_core.platform import Platform
+from engine_core.prompt_logprobs import PromptLogprobsAccumulator
 from engine_core.request import Request
-from engine_core.sampler import Sampler, token_logprobs
+from engine_core.sampler import Sampler, SamplerOutput
 from engine_core.scheduler import Scheduled, Scheduler, SchedulerOutput
+from engine_core.stop_rules import Stop, StopRules
 from shared.messages import (
     MAX_LOGPROBS,
     EngineStats,
-    Finished,
     FinishReason,
     SamplingParams,
     StepOutputs,
@@ -33,60 +35,59 @@ from shared.messages import (
 from shared.step_outputs import Logprobs
 
 log = logging.getLogger(__name__)
-PROMPT_LOGITS_ROWS = 64  # prompt positions per LM-head scan: 1.47 ms a row at 64, 1.78 at 32
 
 
-def step_budget(config: EngineConfig, device: torch.device) -> tuple[int, int | None]:
-    """(max, adaptive floor) of the tokens per step. --max-num-batched-tokens fixes the budget.
-    By default a GPU gets vLLM's chunked-prefill 2048. A CPU, where a prefill step costs ~60 us
-    a token (tiny model, 2 cores), gets a budget that follows the queue (Scheduler): a quarter
-    of the waiting prompt tokens, between 512 and 2048. Measured cold (fresh prompts), 64 x
-    (128 + 64), TTFT p50: concurrency 16, fixed 2048: 129/147 ms, fixed 512: 92/84, adaptive:
-    85-101 (fixed 512 in the same runs: 78-93); concurrency 64, fixed 2048: 460/416 ms, fixed
-    512: 570-702, adaptive: 459-547. Throughput is within noise of either."""
-    if config.max_num_batched_tokens:
-        return config.max_num_batched_tokens, None
-    return (2048, None) if device.type == "cuda" else (2048, 512)
+class _Refusal(NamedTuple):
+    request_id: str
+    owner: bytes
+    reason: FinishReason
+    message: str
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, platform: Platform | None = None) -> None:
+        """`platform` defaults to `Platform.detect(config)`."""
         self.config = config
-        self.runner = ModelRunner(config)
+        self.platform = platform or Platform.detect(config)
+        self.platform.apply()
+        self.runner = ModelRunner(config, self.platform)
         self.facts = self.runner.facts
         self.max_model_len = self.facts.max_model_len
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
                                    config.enable_prefix_caching)
-        budget, floor = step_budget(config, self.runner.device)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, budget,
-                                   min_num_batched_tokens=floor)
+        stop_rules = StopRules(frozenset(self.facts.eos_token_ids), self.max_model_len)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs,
+                                   self.platform.max_num_batched_tokens,
+                                   min_num_batched_tokens=self.platform.min_num_batched_tokens,
+                                   stop_rules=stop_rules)
         self.sampler = Sampler(self.facts.eos_token_ids, config.seed)
-        self.requests: dict[str, Request] = {}
-        self._refused: list[Row] = []
+        self.prompt_logprobs = PromptLogprobsAccumulator()
+        self._refused: list[_Refusal] = []
         self._arrivals = itertools.count()
-        self.counts = EngineStats()  # the counters; stats() adds the gauges
+        self.counts = EngineStats()  # the engine's own counters; stats() adds the rest
 
     # -- requests in ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     owner: bytes = b"") -> None:
         error = self._admission_error(request_id, prompt_token_ids, params)
         reason = FinishReason.ERROR
-        if error is None and len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+        waiting = len(self.scheduler.waiting)
+        if error is None and waiting >= self.config.max_waiting_requests:
             reason, error = FinishReason.OVERLOADED, (
-                f"the server is overloaded: {len(self.scheduler.waiting)} requests are already "
-                f"waiting (--max-waiting-requests {self.config.max_waiting_requests})")
+                f"the server is overloaded: {waiting} requests are already waiting "
+                f"(--max-waiting-requests {self.config.max_waiting_requests})")
         if error is not None:
             log.log(logging.DEBUG if reason is FinishReason.OVERLOADED else logging.INFO,
                     "refused %s: %s", request_id, error)
-            _count(self.counts.rejected, reason)
-            self._refused.append(Row(request_id, owner, finish=Finished(0, reason, message=error)))
+            self.counts.rejected[reason] = self.counts.rejected.get(reason, 0) + 1
+            self._refused.append(_Refusal(request_id, owner, reason, error))
             return
-        req = Request(request_id, prompt_token_ids, params, owner, next(self._arrivals))
-        self.requests[request_id] = req
-        self.scheduler.add(req)
+        self.scheduler.add(Request(request_id, prompt_token_ids, params, owner,
+                                   next(self._arrivals)))
 
-    def _admission_error(self, request_id: str, prompt: list[int], params: SamplingParams) -> str | None:
-        if request_id in self.requests:
+    def _admission_error(self, request_id: str, prompt: list[int],
+                         params: SamplingParams) -> str | None:
+        if request_id in self.scheduler.requests:
             return f"request id {request_id!r} is already running"
         if not prompt:
             return "the prompt is empty"
@@ -108,11 +109,9 @@ class EngineCore:
 
     def abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
         """Drop these requests; `reason` "stop" when the frontend stopped them (stop string)."""
+        self.scheduler.finish_requests(request_ids, reason)
         for rid in request_ids:
-            req = self.requests.pop(rid, None)
-            if req is not None:
-                self.scheduler.remove(req)
-                _count(self.counts.finished, reason)
+            self.prompt_logprobs.drop(rid)
 
     @property
     def has_work(self) -> bool:
@@ -122,123 +121,62 @@ class EngineCore:
     @torch.inference_mode()
     def step(self) -> dict[bytes, StepOutputs]:
         """Run one step; return the news for each frontend (by owner identity)."""
-        rows, self._refused = self._refused, []
         self.counts.steps += 1
+        news = self._take_refusals()
         sched = self.scheduler.schedule()
+        for req in sched.preempted:  # its prompt is computed, and scored, again
+            self.prompt_logprobs.drop(req.request_id)
         if sched.scheduled:
-            rows += self._execute(sched)
-        outputs = group_by_owner(rows) if rows else {}
+            self._execute(sched, news)
+        outputs = news.pack()
         self.counts.output_messages += len(outputs)
-        self.counts.output_rows += len(rows)
+        self.counts.output_rows += len(news)
         return outputs
 
-    def _execute(self, sched: SchedulerOutput) -> list[Row]:
+    def _execute(self, sched: SchedulerOutput, news: StepNews) -> None:
         plan = _plan_rows(sched.scheduled)
         hidden = self.runner.execute(sched, plan.keep)
-        samplers = [s.request for s in sched.scheduled if s.samples]
-        sampled = None
-        if samplers:
-            sampled = self.sampler(self.runner.head, hidden[plan.num_prompt_rows:], samplers)
-        prompt_lps = self._prompt_logprobs(sched.scheduled, plan, hidden)
-        rows: list[Row] = []
-        for s in sched.scheduled:
-            s.request.num_computed_tokens += s.num_new
-            self.scheduler.publish_computed_blocks(s.request)
-            if s.completes_prefill and s.request.num_output_tokens == 0:  # once, as vLLM counts
-                self.counts.request_prompt_tokens += s.request.num_prompt_tokens
-            self.counts.prompt_tokens += max(0, min(s.start + s.num_new, s.request.num_prompt_tokens) - s.start)
-        if sampled is not None:
-            rows += self._accept_samples(samplers, sampled.token_ids, sampled.logprob_rows, sampled.logprobs)
-        for s in sched.scheduled:
-            req = s.request
-            if s.completes_prefill and req.prefill_only:
-                rows.append(self._finish(Row(req.request_id, req.owner), req, FinishReason.LENGTH))
-        rows = _merge_prompt_logprobs(rows, prompt_lps)
-        return rows
+        samplers = sched.samplers()
+        sampled = self._sample(samplers, hidden[plan.num_prompt_rows:])
+        prompt_lps = self.prompt_logprobs.score_step(self.runner.head, sched.scheduled,
+                                                     plan.prompt_rows, hidden)
+        finished = self.scheduler.update_from_output(sched, sampled.token_ids)
+        _add_sampled(news, samplers, sampled, finished)
+        _add_prompt_only(news, sched.scheduled, finished)
+        _attach_prompt_logprobs(news, prompt_lps)
 
-    def _accept_samples(self, reqs: list[Request], tokens: np.ndarray, lp_rows: np.ndarray,
-                        lps: Logprobs | None) -> list[Row]:
-        lp_at = {int(r): j for j, r in enumerate(lp_rows)}
-        rows = []
-        for i, req in enumerate(reqs):
-            token = int(tokens[i])
-            req.append_token(token)
-            self.counts.generation_tokens += 1
-            row = Row(req.request_id, req.owner, token)
-            j = lp_at.get(i)
-            if j is not None and lps is not None:
-                k = req.params.logprobs or 0
-                row.logprobs = Logprobs(lps.logprobs[j:j + 1], lps.ranks[j:j + 1],
-                                           lps.top_ids[j:j + 1, :k], lps.top_logprobs[j:j + 1, :k])
-            reason, stop_token = self._stop_reason(req, token)
-            if reason is not None:
-                self._finish(row, req, reason, stop_token)
-            rows.append(row)
-        return rows
+    def _sample(self, samplers: list[Request], hidden: torch.Tensor) -> SamplerOutput:
+        if not samplers:
+            return SamplerOutput(np.zeros(0, np.int64), np.zeros(0, np.int64), None)
+        return self.sampler(self.runner.head, hidden, samplers)
 
-    def _stop_reason(self, req: Request, token: int) -> tuple[FinishReason | None, int | None]:
-        p = req.params
-        if req.num_output_tokens > p.min_tokens:  # earlier stop tokens were masked out
-            if token in p.stop_token_ids:
-                return FinishReason.STOP, token
-            if not p.ignore_eos and token in self.facts.eos_token_ids:
-                return FinishReason.STOP, None
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH, None
-        return None, None
-
-    def _finish(self, row: Row, req: Request, reason: FinishReason,
-                stop_token: int | None = None) -> Row:
-        row.finish = Finished(0, reason, stop_token)
-        self.scheduler.remove(req)
-        self.requests.pop(req.request_id, None)
-        _count(self.counts.finished, reason)
-        return row
-
-    def _prompt_logprobs(self, scheduled: list[Scheduled], plan: _RowPlan,
-                         hidden: torch.Tensor) -> dict[str, Logprobs]:
-        """Accumulate prompt logprobs per chunk; return the complete ones of this step.
-
-        The LM head runs over at most PROMPT_LOGITS_ROWS positions at a time, so a long echoed
-        prompt never materialises a [prompt_len, vocab] logits tensor at once.
-        """
-        done: dict[str, Logprobs] = {}
-        for s, (lo, hi) in zip(scheduled, plan.prompt_rows):
-            req = s.request
-            if req.prompt_logprobs_done:
-                continue
-            k = req.params.prompt_logprobs or 0
-            for a in range(lo, hi, PROMPT_LOGITS_ROWS):
-                b = min(hi, a + PROMPT_LOGITS_ROWS)
-                first = s.start + 1 + a - lo  # logits at position p score prompt token p + 1
-                targets = torch.tensor(req.prompt_token_ids[first:first + b - a])
-                req.prompt_logprob_chunks.append(token_logprobs(self.runner.head, hidden[a:b], targets, k))
-            if s.start + s.num_new >= req.num_prompt_tokens:
-                done[req.request_id] = Logprobs.concat(req.prompt_logprob_chunks, req.params.prompt_logprobs or 0)
-                req.prompt_logprob_chunks = []
-                req.prompt_logprobs_done = True
-        return done
+    def _take_refusals(self) -> StepNews:
+        news = StepNews()
+        for r in self._refused:
+            news.add_finish(r.request_id, r.owner, r.reason, message=r.message)
+        self._refused = []
+        return news
 
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> EngineStats:
+        progress = self.scheduler.stats
         return msgspec.structs.replace(
             self.counts,
+            request_prompt_tokens=progress.request_prompt_tokens,
+            prompt_tokens=progress.prompt_tokens,
+            generation_tokens=progress.generation_tokens,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
-            num_requests=len(self.requests),
+            num_requests=len(self.scheduler.requests),
             num_blocks=self.blocks.num_blocks,
             free_blocks=self.blocks.num_free_blocks,
             prefix_queries=self.blocks.stats.queries,
             prefix_hits=self.blocks.stats.hits,
             preemptions=self.scheduler.num_preemptions,
             chunked_prefills=self.scheduler.num_chunked_prefills,
-            finished=dict(self.counts.finished),
+            finished=dict(progress.finished),
             rejected=dict(self.counts.rejected),
         )
-
-
-def _count(counts: dict[FinishReason, int], reason: FinishReason) -> None:
-    counts[reason] = counts.get(reason, 0) + 1
 
 
 class _RowPlan(NamedTuple):
@@ -269,13 +207,39 @@ def _plan_rows(scheduled: list[Scheduled]) -> _RowPlan:
     return _RowPlan(keep, prompt_rows, len(prompt_keep))
 
 
-def _merge_prompt_logprobs(rows: list[Row], done: dict[str, Logprobs]) -> list[Row]:
+def _add_sampled(news: StepNews, samplers: list[Request], sampled: SamplerOutput,
+                 finished: dict[str, Stop]) -> None:
+    """A row per request that sampled, with its logprobs row (if it asked) and its finish."""
+    if not samplers:
+        return
+    lp_rows = np.full(len(samplers), -1, np.int64)
+    lp_rows[sampled.logprob_rows] = np.arange(len(sampled.logprob_rows))
+    lp_k = np.fromiter((-1 if r.params.logprobs is None else r.params.logprobs
+                        for r in samplers), np.int64, len(samplers))
+    first = len(news)
+    news.add_sampled([r.request_id for r in samplers], [r.owner for r in samplers],
+                     sampled.token_ids, sampled.logprobs, lp_rows, lp_k)
+    for i, req in enumerate(samplers):
+        stop = finished.get(req.request_id)
+        if stop is not None:
+            news.finish(first + i, stop.reason, stop.stop_token_id)
+
+
+def _add_prompt_only(news: StepNews, scheduled: list[Scheduled],
+                     finished: dict[str, Stop]) -> None:
+    """A finish row per prompt-only request whose prompt this step completed."""
+    for s in scheduled:
+        req = s.request
+        if req.prefill_only and req.request_id in finished:
+            news.add_finish(req.request_id, req.owner, finished[req.request_id].reason)
+
+
+def _attach_prompt_logprobs(news: StepNews, done: dict[str, Logprobs]) -> None:
+    """Each completed prompt's logprobs go on its request's row: a prompt completes on a step
+    that samples its request or finishes it."""
     if not done:
-        return rows
-    by_id = {r.request_id: r for r in rows}
+        return
+    row_of = {rid: row for row, rid in enumerate(news.request_ids)}
     for rid, lps in done.items():
-        row = by_id.get(rid)
-        if row is None:
-            continue  # cannot happen: a prompt completes on a step that samples or finishes it
-        row.prompt_logprobs = lps
-    return rows
+        if rid in row_of:
+            news.set_prompt_logprobs(row_of[rid], lps)

@@ -6,15 +6,15 @@ top-k) are most of a CPU step. `LMHead.scan` produces the logits a chunk of colu
 and reduces every 256-column block while it is still in cache: its maximum, and the sums of
 exp((logit - block max) * scale) that the logsumexp (scale 1) and the two-level inverse CDF in
 sampler.py (scale 1 / T) are combined from. Argmax and top-k come afterwards from the leading
-blocks (`gather_blocks`). On the CPU the blocks are the compiled kernels' work (native.py,
-csrc/lm_head.c: the GEMM and the reductions fused, 2.1-2.3x the torch ops on 16 and 64 rows);
-torch ops do the same on CUDA, with a bias or softcap, or without a compiler.
+blocks (`gather_blocks`). Two backends fill the blocks, as the platform says
+(engine_core/platform.py): the compiled CPU kernels (`_NativeOps`: native.py, csrc/lm_head.c,
+the GEMM and the reductions fused) or torch ops (`_TorchOps`: on CUDA, with a bias or softcap,
+or without a compiler). Their speeds are in docs/benchmarks.md.
 
 The chunks are shared out to a few threads, each taking the next chunk when it is done (torch
 ops and the ctypes kernels release the GIL): a core that another process (a frontend) is busy
 on just takes fewer chunks, where OpenMP's static split would stall the whole op until that
-core came back. Measured on a 2-core box, the 128k Llama 3 vocabulary on two workers: 16 rows'
-scan with logprobs in 10.4 ms (23.3 on torch ops), 64 rows' in 28.2 ms (54.0).
+core came back.
 
 A scan keeps the full logits (`Scan.logits`) for what needs them afterwards: the chosen
 tokens' logits, their ranks (`count_above`) and rows with penalties or truncation.
@@ -26,7 +26,7 @@ import itertools
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import engine_core.native as native_kernels
 
 BLOCK = 256  # inverse-CDF block; chunk boundaries fall on block boundaries
-CPU_CHUNK = 8192  # vocabulary columns per task taken by a thread
+HeadBackend = Literal["native", "torch"]
 
 T = TypeVar("T")
 
@@ -105,40 +105,28 @@ class _Blocks(NamedTuple):
 
 class LMHead:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 softcap: float | None = None, workers: int = 1, chunk: int | None = None,
-                 native: bool | None = None) -> None:
+                 softcap: float | None = None, *, kernels: native_kernels.Kernels | None = None,
+                 workers: int = 1, chunk: int | None = None) -> None:
         """weight: [vocab, hidden] as in nn.Linear.
 
-        On the CPU the head keeps a float32 copy of the weight laid out for its GEMM, and by
-        default (`native` None) runs the compiled kernels of native.py: the GEMM from 16-column
-        panels with each block's reductions fused in; 1.7x MKL's GEMM on 16 and 64 rows here.
-        Without them (no compiler, a bias or a softcap, `native=False`) it keeps a [hidden,
-        vocab] copy for torch.mm, which reads it 1.1-3x faster than F.linear reads [vocab,
-        hidden], and reduces with torch ops; on CUDA it runs F.linear on the weight as it is."""
+        `kernels` (the platform's compiled CPU kernels, `Platform.head_kernels`) run the head
+        natively; without them, or with a bias or a softcap (which the kernels do not fuse),
+        torch ops do. `workers` threads share the vocabulary, `chunk` columns at a time (None:
+        the whole vocabulary in one task)."""
         self.vocab, self.hidden = weight.shape
         self.device = weight.device
-        self.softcap = softcap
-        self._weight, self._bias = weight.detach(), bias
-        self._weight_t = self._panels = None
-        self._kernels = None
-        cpu = self.device.type == "cpu"
-        if cpu and bias is None and not softcap and native is not False:
-            self._kernels = native_kernels.load()
-            if native and self._kernels is None:
-                raise RuntimeError("the LM head's native kernels were asked for but did not build")
-        if self._kernels is not None:
-            self._panels = native_kernels.pack_panels(self._weight.t().float())
-        elif cpu and bias is None:
-            self._weight_t = self._weight.t().contiguous().float()
-        if chunk is None:
-            chunk = CPU_CHUNK if cpu else self.vocab
-        chunk = max(BLOCK, -(-chunk // BLOCK) * BLOCK)
+        self._ops: _NativeOps | _TorchOps
+        if kernels is not None and bias is None and not softcap:
+            self._ops = _NativeOps(weight, kernels)
+        else:
+            self._ops = _TorchOps(weight, bias, softcap)
+        chunk = max(BLOCK, -(-(chunk or self.vocab) // BLOCK) * BLOCK)
         self.bounds = [(a, min(a + chunk, self.vocab)) for a in range(0, self.vocab, chunk)]
         self.pool = ChunkPool(workers)
 
     @property
-    def native(self) -> bool:
-        return self._kernels is not None
+    def backend(self) -> HeadBackend:
+        return self._ops.backend
 
     def scan(self, hidden: torch.Tensor, *, lse: bool = False, top_k: int = 0,
              sample_rows: torch.Tensor | None = None,
@@ -152,18 +140,21 @@ class LMHead:
         whose maxima lead: any of a row's k largest logits lies in one of its k highest blocks.
         """
         rows = hidden.shape[0]
-        width = self.vocab if self._panels is None else self._panels.shape[0] * native_kernels.PANEL
-        logits = torch.empty(rows, width, dtype=torch.float32, device=self.device)
+        logits = torch.empty(rows, self._ops.width, dtype=torch.float32, device=self.device)
         temps = torch.ones(0, 1)
         if sample_rows is not None:
             assert temperatures is not None
             temps = temperatures.to(torch.float32)[:, None]
         blocks = self._blocks(rows, lse, sample_rows, temps)
-        fill = self._fill_native if self._kernels is not None else self._fill_torch
-        on_copy = self._weight_t is not None or self._panels is not None  # float32 copies
-        hidden = hidden.to(self.device, torch.float32 if on_copy else self._weight.dtype).contiguous()
+        fill = self._ops.fill
+        hidden = hidden.to(self.device, self._ops.input_dtype).contiguous()
         self.pool.map(lambda i: fill(hidden, logits, blocks, *self.bounds[i]), len(self.bounds))
         return self._combine(logits[:, :self.vocab], blocks, top_k, sample_rows, temps)
+
+    def count_above(self, scan: Scan, rows: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+        """How many logits of each of `rows` exceed its threshold (rank - 1 of a token)."""
+        thr = thresholds.to(self.device, torch.float32).contiguous()
+        return self._ops.count_above(scan.logits, rows, thr, self.bounds, self.pool)
 
     def _blocks(self, rows: int, lse: bool, sample_rows: torch.Tensor | None,
                 temps: torch.Tensor) -> _Blocks:
@@ -180,22 +171,92 @@ class LMHead:
         scales = [None if s is None else s.to(self.device) for s in (scale_a, scale_b)]
         return _Blocks(new(), new() if lse else None, None if scale_b is None else new(), *scales)
 
-    def _fill_native(self, hidden: torch.Tensor, logits: torch.Tensor, blocks: _Blocks,
-                     a: int, b: int) -> None:
+    def _combine(self, logits: torch.Tensor, blocks: _Blocks, top_k: int,
+                 sample_rows: torch.Tensor | None, temps: torch.Tensor) -> Scan:
+        block_max = blocks.max
+        peak, best = block_max.max(1)  # the first block holding the max: torch.argmax's rule
+        vals, cols = gather_blocks(logits, best[:, None])
+        argmax = cols.gather(1, vals.argmax(-1, keepdim=True))[:, 0]
+        lse = top_vals = top_ids = block_sums = None
+        behind = block_max - peak[:, None]  # <= 0
+        if blocks.sum_a is not None:
+            lse = peak + (blocks.sum_a * behind.exp()).sum(1).log()
+        if top_k:
+            leading = block_max.topk(min(top_k, block_max.shape[1]), -1).indices
+            vals, cols = gather_blocks(logits, leading)
+            top_vals, j = vals.topk(top_k, -1)
+            top_ids = cols.gather(1, j)
+        if sample_rows is not None:
+            rows = sample_rows.to(self.device)
+            if blocks.sum_b is None:  # every temperature is 1: the logsumexp's sums serve
+                block_sums = blocks.sum_a[rows] * behind[rows].exp()  # type: ignore[index]
+            else:
+                block_sums = blocks.sum_b[rows] * (behind[rows] / temps.to(self.device)).exp()
+        cpu = [None if t is None else t.cpu()
+               for t in (peak, argmax, lse, top_vals, top_ids, block_sums)]
+        return Scan(logits, *cpu)  # type: ignore[arg-type]
+
+
+class _NativeOps:
+    """The compiled CPU kernels (native.py): the GEMM from a float32 copy of the weight packed
+    in 16-column panels, each block's reductions fused in."""
+
+    backend: HeadBackend = "native"
+    input_dtype = torch.float32
+
+    def __init__(self, weight: torch.Tensor, kernels: native_kernels.Kernels) -> None:
+        self.hidden = weight.shape[1]
+        self.kernels = kernels
+        self.panels = native_kernels.pack_panels(weight.detach().t().float())
+        self.width = self.panels.shape[0] * native_kernels.PANEL  # whole panels
+
+    def fill(self, hidden: torch.Tensor, logits: torch.Tensor, blocks: _Blocks,
+             a: int, b: int) -> None:
         ptr = native_kernels.ptr
-        self._kernels.head_scan(  # type: ignore[union-attr]
-            ptr(hidden), hidden.stride(0), hidden.shape[0], self.hidden, ptr(self._panels),
+        self.kernels.head_scan(
+            ptr(hidden), hidden.stride(0), hidden.shape[0], self.hidden, ptr(self.panels),
             a, b, ptr(logits), logits.stride(0), BLOCK, ptr(blocks.max), blocks.max.stride(0),
             ptr(blocks.scale_a), ptr(blocks.sum_a), ptr(blocks.scale_b), ptr(blocks.sum_b))
 
-    def _fill_torch(self, hidden: torch.Tensor, logits: torch.Tensor, blocks: _Blocks,
-                    a: int, b: int) -> None:
+    def count_above(self, logits: torch.Tensor, rows: torch.Tensor, thr: torch.Tensor,
+                    bounds: list[tuple[int, int]], pool: ChunkPool) -> torch.Tensor:
+        idx = rows.to(torch.int64).contiguous()
+        ptr = native_kernels.ptr
+        counts = torch.zeros(len(bounds), len(rows), dtype=torch.int64)
+
+        def run(i: int) -> None:
+            a, b = bounds[i]
+            self.kernels.count_above(ptr(logits), logits.stride(0), ptr(idx), len(idx), ptr(thr),
+                                     a, b, ptr(counts[i]))
+
+        pool.map(run, len(bounds))
+        return counts.sum(0)
+
+
+class _TorchOps:
+    """torch ops. On the CPU (without a bias) the GEMM reads a [hidden, vocab] float32 copy
+    with torch.mm, faster than F.linear reads [vocab, hidden] (docs/benchmarks.md); elsewhere
+    F.linear runs on the weight as it is."""
+
+    backend: HeadBackend = "torch"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 softcap: float | None) -> None:
+        self.weight, self.bias, self.softcap = weight.detach(), bias, softcap
+        self.width = weight.shape[0]
+        self.weight_t: torch.Tensor | None = None
+        if weight.device.type == "cpu" and bias is None:
+            self.weight_t = self.weight.t().contiguous().float()
+        self.input_dtype = torch.float32 if self.weight_t is not None else self.weight.dtype
+
+    def fill(self, hidden: torch.Tensor, logits: torch.Tensor, blocks: _Blocks,
+             a: int, b: int) -> None:
         x = logits[:, a:b]
-        if self._weight_t is not None:
-            torch.mm(hidden, self._weight_t[:, a:b], out=x)
+        if self.weight_t is not None:
+            torch.mm(hidden, self.weight_t[:, a:b], out=x)
         else:
-            bias = None if self._bias is None else self._bias[a:b]
-            x.copy_(F.linear(hidden, self._weight[a:b], bias))
+            bias = None if self.bias is None else self.bias[a:b]
+            x.copy_(F.linear(hidden, self.weight[a:b], bias))
         if self.softcap:
             x.div_(self.softcap).tanh_().mul_(self.softcap)
         cols = slice(a // BLOCK, -(-b // BLOCK))
@@ -208,61 +269,28 @@ class LMHead:
             if len(picked) == len(scale):
                 sums[:, cols] = _block_sum_exp(x, block_max, scale[:, None])
             else:
-                sums[picked, cols] = _block_sum_exp(x[picked], block_max[picked], scale[picked, None])
+                sums[picked, cols] = _block_sum_exp(x[picked], block_max[picked],
+                                                    scale[picked, None])
 
-    def _combine(self, logits: torch.Tensor, blocks: _Blocks, top_k: int,
-                 sample_rows: torch.Tensor | None, temps: torch.Tensor) -> Scan:
-        block_max = blocks.max
-        peak, best = block_max.max(1)  # the first block holding the max: torch.argmax's rule
-        vals, cols = gather_blocks(logits, best[:, None])
-        argmax = cols.gather(1, vals.argmax(-1, keepdim=True))[:, 0]
-        lse = top_vals = top_ids = block_sums = None
-        behind = block_max - peak[:, None]  # <= 0
-        if blocks.sum_a is not None:
-            lse = peak + (blocks.sum_a * behind.exp()).sum(1).log()
-        if top_k:
-            vals, cols = gather_blocks(logits, block_max.topk(min(top_k, block_max.shape[1]), -1).indices)
-            top_vals, j = vals.topk(top_k, -1)
-            top_ids = cols.gather(1, j)
-        if sample_rows is not None:
-            rows = sample_rows.to(self.device)
-            if blocks.sum_b is None:  # every temperature is 1: the logsumexp's sums serve
-                block_sums = blocks.sum_a[rows] * behind[rows].exp()  # type: ignore[index]
-            else:
-                block_sums = blocks.sum_b[rows] * (behind[rows] / temps.to(self.device)).exp()
-        cpu = [None if t is None else t.cpu() for t in (peak, argmax, lse, top_vals, top_ids, block_sums)]
-        return Scan(logits, *cpu)  # type: ignore[arg-type]
-
-    def count_above(self, scan: Scan, rows: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
-        """How many logits of each of `rows` exceed its threshold (rank - 1 of a token)."""
-        thr = thresholds.to(self.device, torch.float32).contiguous()
-        if self._kernels is not None:
-            idx = rows.to(torch.int64).contiguous()
-            ptr, logits = native_kernels.ptr, scan.logits
-            counts = torch.zeros(len(self.bounds), len(rows), dtype=torch.int64)
-
-            def run(i: int) -> None:
-                a, b = self.bounds[i]
-                self._kernels.count_above(  # type: ignore[union-attr]
-                    ptr(logits), logits.stride(0), ptr(idx), len(idx), ptr(thr), a, b, ptr(counts[i]))
-
-            self.pool.map(run, len(self.bounds))
-            return counts.sum(0)
+    def count_above(self, logits: torch.Tensor, rows: torch.Tensor, thr: torch.Tensor,
+                    bounds: list[tuple[int, int]], pool: ChunkPool) -> torch.Tensor:
         # Most of the rows: count every row through views of the logits (the others against
         # +inf) rather than gather copies of most of them, chunk by chunk.
-        total = scan.logits.shape[0]
+        total = logits.shape[0]
         every = 2 * len(rows) > total and len(set(rows.tolist())) == len(rows)
-        picked: torch.Tensor | slice = rows.to(self.device)
+        on_device = rows.to(logits.device)
+        picked: torch.Tensor | slice = on_device
         if every:
-            thr = torch.full((total,), float("inf"), device=self.device).index_copy_(0, picked, thr)
+            thr = torch.full((total,), float("inf"), device=logits.device).index_copy_(
+                0, on_device, thr)
             picked = slice(None)
 
         def one(i: int) -> torch.Tensor:
-            a, b = self.bounds[i]
-            return (scan.logits[picked, a:b] > thr[:, None]).sum(-1)
+            a, b = bounds[i]
+            return (logits[picked, a:b] > thr[:, None]).sum(-1)
 
-        counts = torch.stack(self.pool.map(one, len(self.bounds)), 1).sum(1)
-        return (counts[rows.to(self.device)] if every else counts).cpu()
+        counts = torch.stack(pool.map(one, len(bounds)), 1).sum(1)
+        return (counts[on_device] if every else counts).cpu()
 
 
 def gather_blocks(logits: torch.Tensor, blocks: torch.Tensor,

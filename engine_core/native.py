@@ -1,12 +1,13 @@
 """The LM head's CPU kernels (csrc/lm_head.c), compiled on first use and loaded with ctypes.
 
-Compiled on the machine that runs them, with -march=native, into the cache folder
-(`TANDEM_CACHE`, default ~/.cache/tandem) under a name that hashes the source, the compiler
-command and this CPU's feature flags, so a shared home folder across different hosts keeps one
-build per kind of CPU. A compiler is part of any machine that installs Python packages from
-source; where there is none, or `TANDEM_NATIVE=0` is set, `load()` returns None and the head
-keeps its portable torch path. ctypes releases the GIL for the length of each call, so the
-head's chunk threads run these kernels in parallel.
+Compiled on the machine that runs them, with -march=native, into a cache folder under a name
+that hashes the source, the compiler command and this CPU's feature flags, so a shared home
+folder across different hosts keeps one build per kind of CPU. A compiler is part of any
+machine that installs Python packages from source; where there is none (or the build fails),
+the head keeps its portable torch path. Which compiler and which folder, and whether to try at
+all (`TANDEM_NATIVE=0`), the platform settles at start-up (engine_core/platform.py): nothing
+here reads the environment. ctypes releases the GIL for the length of each call, so the head's
+chunk threads run these kernels in parallel.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
-from engine_core.default_model import cache_root
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "lm_head.c"
@@ -61,31 +60,34 @@ def ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def find_compiler(cc: str | None = None) -> str | None:
+    """`cc` (the CC variable, when set), else cc or gcc on PATH; None without one."""
+    return cc or shutil.which("cc") or shutil.which("gcc")
+
+
 @functools.cache
-def load() -> Kernels | None:
-    if os.environ.get("TANDEM_NATIVE", "1") == "0":
-        return None
+def load(compiler: str, cache_dir: Path) -> Kernels | None:
+    """The kernels, built with `compiler` into `cache_dir` unless already there; None (with a
+    warning) when the build or the load fails. Cached: one build and one load per process."""
     try:
-        return Kernels(ctypes.CDLL(str(_build())))
+        return Kernels(ctypes.CDLL(str(_build(compiler, cache_dir))))
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("LM-head CPU kernels unavailable (%s); using the torch path", e)
         return None
 
 
-def _build() -> Path:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise OSError("no C compiler (cc or gcc) on PATH")
+def _build(cc: str, cache_dir: Path) -> Path:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(FLAGS).encode(),
                                      _cpu_flags()])).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"lm_head-{key}.so"
+    out = cache_dir / "kernels" / f"lm_head-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    try:  # build beside the target, then rename: processes starting together never load half a file
+    # Built beside the target, then renamed: processes starting together never load half a file.
+    try:
         obj = tmp + ".o"
         subprocess.run([cc, *FLAGS, "-c", str(SOURCE), "-o", obj], check=True,
                        capture_output=True, timeout=120)

@@ -130,7 +130,8 @@ class EngineProcess:
                 if isinstance(msg, Hello):
                     self.router.send_multipart([owner, out_codec.encode(self.ready)])
                 elif isinstance(msg, UtilityRequest) and msg.method == "ping":
-                    self.router.send_multipart([owner, out_codec.encode(UtilityResult(msg.call_id))])
+                    pong = out_codec.encode(UtilityResult(msg.call_id))
+                    self.router.send_multipart([owner, pong])
                 else:
                     self.inputs.put((owner, msg))
 

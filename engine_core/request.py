@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import enum
+
 import torch
 
 from shared.messages import SamplingParams
-from shared.step_outputs import Logprobs
 
 
 class Status(enum.Enum):
@@ -32,8 +32,7 @@ class Request:
         self.block_hashes: list[int] = []  # hash chain over the full blocks of all_token_ids
         self.num_published_blocks = 0  # leading blocks already in the prefix cache
         self.status = Status.WAITING
-        self.prompt_logprobs_done = params.prompt_logprobs is None
-        self.prompt_logprob_chunks: list[Logprobs] = []  # until the prompt is scored whole
+        self.prompt_logprobs_done = params.prompt_logprobs is None  # (or scored already)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -59,10 +58,9 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def reset_for_recompute(self) -> None:
-        """After preemption: KV is gone; prompt + outputs are recomputed as one prompt."""
+        """After preemption: KV is gone; prompt + outputs are recomputed as one prompt (the
+        engine drops prompt logprobs scored in part, engine_core/prompt_logprobs.py)."""
         self.num_computed_tokens = 0
         self.block_ids = []
         self.num_published_blocks = 0
         self.status = Status.WAITING
-        if not self.prompt_logprobs_done:
-            self.prompt_logprob_chunks = []

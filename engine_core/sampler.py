@@ -40,7 +40,8 @@ def token_logprobs(head: LMHead, hidden: torch.Tensor, tokens: torch.Tensor, k: 
     return _logprobs(head, scan, torch.arange(len(tokens)), tokens, k)
 
 
-def _logprobs(head: LMHead, scan: Scan, rows: torch.Tensor, tokens: torch.Tensor, k: int) -> Logprobs:
+def _logprobs(head: LMHead, scan: Scan, rows: torch.Tensor, tokens: torch.Tensor,
+              k: int) -> Logprobs:
     """Logprobs of `tokens` (one per row of `rows`) from a scan made with lse and top_k >= k.
     A row's argmax has rank 1 without counting; other tokens are ranked by one more pass."""
     assert scan.lse is not None
@@ -64,7 +65,8 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, head: LMHead, hidden: torch.Tensor, reqs: Sequence[Request]) -> SamplerOutput:
+    def __call__(self, head: LMHead, hidden: torch.Tensor,
+                 reqs: Sequence[Request]) -> SamplerOutput:
         """One token per row of `hidden` (the final hidden state of each of `reqs`)."""
         general = [i for i, r in enumerate(reqs) if self._needs_general_path(r, head.vocab)]
         skip = set(general)
@@ -78,7 +80,8 @@ class Sampler:
                          sample_rows=fast if fast_sampled else None, temperatures=temps)
         tokens = scan.argmax.clone()  # greedy rows are done
         if fast_sampled:
-            tokens[fast] = self._draw_from_blocks(scan, fast, temps, [reqs[i] for i in fast_sampled])
+            tokens[fast] = self._draw_from_blocks(scan, fast, temps,
+                                                  [reqs[i] for i in fast_sampled])
         if general:
             idx = torch.tensor(general, dtype=torch.int64)
             logits = scan.logits[idx.to(scan.logits.device)].cpu()
@@ -94,8 +97,10 @@ class Sampler:
     def _needs_general_path(req: Request, vocab: int) -> bool:
         p = req.params
         processed = bool(p.logit_bias or req.num_output_tokens < p.min_tokens
-                         or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
-        truncated = p.temperature >= _GREEDY_EPS and (0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0)
+                         or p.repetition_penalty != 1.0 or p.presence_penalty
+                         or p.frequency_penalty)
+        truncated = p.temperature >= _GREEDY_EPS and (
+            0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0)
         return processed or truncated
 
     def _uniforms(self, reqs: Sequence[Request]) -> torch.Tensor:
@@ -137,7 +142,8 @@ class Sampler:
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
             vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            penalty = p.repetition_penalty
+            row[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
         if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
             ids, counts = torch.tensor(req.output_token_ids).unique(return_counts=True)
             row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty

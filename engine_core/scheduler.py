@@ -5,15 +5,23 @@ waiting ones while budget and `max_num_seqs` allow. A prompt longer than the rem
 is split into chunks across steps, so one long prompt never stalls running decodes. When KV
 blocks run out, the newest running request is preempted: its blocks are freed and it goes
 back to the front of the queue, to be recomputed (prompt + outputs so far) later.
+
+After the step ran, `update_from_output` records its progress: computed tokens, blocks for the
+prefix cache, sampled tokens, the stop rules (stop_rules.py), and finishes requests.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from engine_core.block_manager import BlockManager, chain_hashes
 from engine_core.request import Request, Status
+from engine_core.stop_rules import Stop, StopRules
+from shared.messages import FinishReason
 
 PROMPT_LOGPROB_ROWS = 256  # default budget of prompt positions scored per step (see Scheduler)
 
@@ -32,39 +40,60 @@ class Scheduled:
     def samples(self) -> bool:
         return self.completes_prefill and not self.request.prefill_only
 
+    @property
+    def completes_prompt(self) -> bool:
+        return self.start + self.num_new >= self.request.num_prompt_tokens
+
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[Scheduled] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new for s in self.scheduled)
+    def samplers(self) -> list[Request]:
+        """The requests that sample a token this step, in order (one row each for the
+        sampler). Ask before `update_from_output`, which moves the requests on."""
+        return [s.request for s in self.scheduled if s.samples]
+
+
+@dataclass
+class SchedulerStats:
+    """Counters of request progress since start-up (EngineStats' fields of the same names)."""
+
+    request_prompt_tokens: int = 0  # prompt tokens of requests whose prefill completed
+    prompt_tokens: int = 0  # prompt tokens computed (recomputation after preemption included)
+    generation_tokens: int = 0  # tokens sampled
+    finished: dict[FinishReason, int] = field(default_factory=dict)  # requests, by reason
+
+    def count_finished(self, reason: FinishReason) -> None:
+        self.finished[reason] = self.finished.get(reason, 0) + 1
 
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_prompt_logprob_rows: int | None = None,
-                 min_num_batched_tokens: int | None = None) -> None:
+                 min_num_batched_tokens: int | None = None, *, stop_rules: StopRules) -> None:
         """With `min_num_batched_tokens` the step budget adapts: a quarter of the prompt tokens
         waiting to be computed, between that floor and `max_num_batched_tokens`. A burst of
         prompts is then cleared in about four steps (its median request has its first token
-        after about two), while a trickle of arrivals gets small, quick steps."""
+        after about two), while a trickle of arrivals gets small, quick steps. `stop_rules`
+        decide when a request that sampled a token is done."""
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.min_num_batched_tokens = min_num_batched_tokens
-        # Prompt positions that need logprobs each cost a full-vocabulary LM-head row (~1000x a
-        # decoder row on a tiny model), so they get a budget of their own: prefills that score
-        # their prompt are spread over steps instead of stalling everyone at once. 256 rows:
-        # with echo + logprobs at concurrency 16, 256 gave 10% more throughput than 64 (fewer
-        # steps, each paying for the decodes' own LM-head pass) and a TTFT p50 of ~450 ms.
+        self.stop_rules = stop_rules
+        # Prompt positions that need logprobs each cost a full-vocabulary LM-head row (orders
+        # of magnitude more than a decoder row on a small model), so they get a budget of their
+        # own: prefills that score their prompt are spread over steps instead of stalling
+        # everyone at once. How 256 was chosen: docs/benchmarks.md.
         self.max_prompt_logprob_rows = max_prompt_logprob_rows or max(
             1, min(PROMPT_LOGPROB_ROWS, max_num_batched_tokens // 2))
         self._rows_left = 0
+        self.requests: dict[str, Request] = {}  # waiting and running, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.stats = SchedulerStats()
         self.num_preemptions = 0
         self.num_chunked_prefills = 0  # steps that computed a prompt only in part
 
@@ -73,10 +102,20 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
         self.waiting.append(req)
+
+    def finish_requests(self, request_ids: Sequence[str], reason: FinishReason) -> None:
+        """Finish these requests from outside (aborted, or stopped by the frontend); ids no
+        longer here are ignored."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, reason)
 
     def remove(self, req: Request) -> None:
         """Take a request out (finished or aborted) and free its blocks."""
+        self.requests.pop(req.request_id, None)
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING:
@@ -84,6 +123,10 @@ class Scheduler:
         self.blocks.free(req.block_ids)
         req.block_ids = []
         req.status = Status.FINISHED
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.remove(req)
+        self.stats.count_finished(reason)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -154,7 +197,8 @@ class Scheduler:
             if num_new == 0:
                 break
             self.blocks.acquire(hits)
-            fresh = self.blocks.allocate(self.blocks.blocks_needed(num_computed + num_new) - len(hits))
+            need = self.blocks.blocks_needed(num_computed + num_new) - len(hits)
+            fresh = self.blocks.allocate(need)
             if fresh is None:
                 self.blocks.free(hits)
                 break
@@ -183,6 +227,45 @@ class Scheduler:
             return []
         req.block_hashes = chain_hashes(req.all_token_ids, self.blocks.block_size, req.block_hashes)
         return self.blocks.lookup_prefix(req.all_token_ids, req.block_hashes)
+
+    # -- after the step ---------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled_token_ids: np.ndarray | Sequence[int]) -> dict[str, Stop]:
+        """Record what the step computed: `out` as `schedule()` returned it, and one sampled
+        token per request of `out.samplers()`, in that order. Returns the requests finished
+        by it, by id: those that sampled, in order, then prompt-only ones ("length")."""
+        samplers = out.samplers()
+        for s in out.scheduled:
+            self._advance(s)
+        finished: dict[str, Stop] = {}
+        for req, token in zip(samplers, sampled_token_ids, strict=True):
+            stop = self._append(req, int(token))
+            if stop is not None:
+                finished[req.request_id] = stop
+        for s in out.scheduled:
+            if s.completes_prefill and s.request.prefill_only:
+                finished[s.request.request_id] = Stop(FinishReason.LENGTH)
+                self._finish(s.request, FinishReason.LENGTH)
+        return finished
+
+    def _advance(self, s: Scheduled) -> None:
+        req = s.request
+        req.num_computed_tokens += s.num_new
+        self.publish_computed_blocks(req)
+        if s.completes_prompt:
+            req.prompt_logprobs_done = True  # scored by the engine on this step, if asked
+        if s.completes_prefill and req.num_output_tokens == 0:  # once, as vLLM counts
+            self.stats.request_prompt_tokens += req.num_prompt_tokens
+        prompt_end = min(s.start + s.num_new, req.num_prompt_tokens)
+        self.stats.prompt_tokens += max(0, prompt_end - s.start)
+
+    def _append(self, req: Request, token: int) -> Stop | None:
+        req.append_token(token)
+        self.stats.generation_tokens += 1
+        stop = self.stop_rules.check(req, token)
+        if stop is not None:
+            self._finish(req, stop.reason)
+        return stop
 
     def publish_computed_blocks(self, req: Request) -> None:
         """Put the request's newly full, computed blocks into the prefix cache."""

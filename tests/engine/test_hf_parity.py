@@ -21,7 +21,8 @@ from tests.engine.driver import Collected, run
 
 MAX_NEW = 10
 ATOL = 1e-4
-WORDS = ["the", "model", "serves", "tokens", "fast", "and", "exactly", "while", "many", "clients", "stream", "text", "你好", "世界", "über", "café", "naïve", "🎉", "rockets", "fly"]
+WORDS = ["the", "model", "serves", "tokens", "fast", "and", "exactly", "while", "many", "clients",
+         "stream", "text", "你好", "世界", "über", "café", "naïve", "🎉", "rockets", "fly"]
 
 
 def make_prompts(tokenizer, n: int = 24, prefix: str = "") -> list[list[int]]:
@@ -45,7 +46,8 @@ class Reference:
         out = self.model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
                                   output_logits=True, return_dict_in_generate=True)
         tokens = out.sequences[0, len(prompt):].tolist()
-        lps = [float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, tokens)]
+        lps = [float(torch.log_softmax(step[0].float(), -1)[t])
+               for step, t in zip(out.logits, tokens)]
         return tokens, lps
 
     @torch.inference_mode()
@@ -83,7 +85,8 @@ def assert_parity(results: dict[str, Collected], prompts: list[list[int]], refer
         assert all(r >= 1 for r in got.ranks)
         assert got.finish in ("length", "stop")
         if got.prompt_logprobs is not None:
-            assert got.prompt_logprobs.tolist() == pytest.approx(reference.prompt_logprobs(p), abs=ATOL)
+            expected = reference.prompt_logprobs(p)
+            assert got.prompt_logprobs.tolist() == pytest.approx(expected, abs=ATOL)
 
 
 def assert_drained(core: EngineCore) -> None:
@@ -149,7 +152,8 @@ def test_abort_half_mid_flight(tiny_llama, tokenizer):
 
     results = run(core, on_step=abort_some)
     assert all(results[f"r{i}"].finish == "length" for i in range(1, 24, 2))
-    assert all(results.get(f"r{i}") is None or results[f"r{i}"].finish is None for i in range(0, 24, 2))
+    assert all(results.get(f"r{i}") is None or results[f"r{i}"].finish is None
+               for i in range(0, 24, 2))
     assert_drained(core)
 
 

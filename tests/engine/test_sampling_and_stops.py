@@ -71,7 +71,8 @@ def test_eos_and_ignore_eos(core, prompt):
     eos = core.facts.eos_token_ids[0]
     forced = one(core, prompt, max_tokens=6, temperature=0.0, logit_bias={eos: 100.0})
     assert forced.token_ids == [eos] and forced.finish == "stop" and forced.stop_token_id is None
-    ignored = one(core, prompt, max_tokens=6, temperature=0.0, logit_bias={eos: 100.0}, ignore_eos=True)
+    ignored = one(core, prompt, max_tokens=6, temperature=0.0, logit_bias={eos: 100.0},
+                  ignore_eos=True)
     assert ignored.token_ids == [eos] * 6 and ignored.finish == "length"
 
 
@@ -80,7 +81,8 @@ def test_penalties_change_repetitive_output(core, prompt):
     penalised = one(core, prompt, max_tokens=16, temperature=0.0, repetition_penalty=5.0,
                     frequency_penalty=2.0, presence_penalty=2.0).token_ids
     assert len(set(penalised)) >= len(set(plain))
-    assert one(core, prompt, max_tokens=16, temperature=0.0, repetition_penalty=1.0).token_ids == plain
+    unpenalised = one(core, prompt, max_tokens=16, temperature=0.0, repetition_penalty=1.0)
+    assert unpenalised.token_ids == plain
 
 
 def test_max_tokens_zero_is_prefill_only(core, prompt):
@@ -100,7 +102,8 @@ def test_refusals_are_clear(core, prompt):
     core.add_request("long", list(range(1, 80)), SamplingParams(max_tokens=1))
     core.add_request("vocab", [10**7], SamplingParams(max_tokens=1))
     results = run(core)
-    assert results["long"].finish == "error" and "maximum context length is 64" in results["long"].message
+    long = results["long"]
+    assert long.finish == "error" and "maximum context length is 64" in long.message
     assert results["vocab"].finish == "error" and "token ids" in results["vocab"].message
 
 

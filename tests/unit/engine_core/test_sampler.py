@@ -14,12 +14,13 @@ from engine_core.lm_head import BLOCK, LMHead
 from engine_core.request import Request
 from engine_core.sampler import Sampler, token_logprobs
 from shared.messages import SamplingParams
+from tests.unit.engine_core.heads import engine_kernels
 
 PROBS = torch.tensor([0.1, 0.2, 0.3, 0.4])
 
 
 def head_for(logits: torch.Tensor, **kwargs) -> LMHead:
-    return LMHead(logits[:, None].clone(), **kwargs)
+    return LMHead(logits[:, None].clone(), kernels=engine_kernels(), **kwargs)
 
 
 def sample(logits: torch.Tensor, reqs: list[Request], seed: int = 0, **head) -> torch.Tensor:
@@ -70,7 +71,7 @@ def test_seeded_rows_repeat_whatever_the_batch():
 def test_token_logprobs_match_log_softmax():
     hidden, weight = torch.randn(5, 8), torch.randn(700, 8)
     tokens = torch.tensor([0, 7, 699, 3, 3])
-    head = LMHead(weight, chunk=BLOCK, workers=2)  # three chunks, the last one partial
+    head = LMHead(weight, chunk=BLOCK, workers=2, kernels=engine_kernels())  # 3 chunks, 1 partial
     out = token_logprobs(head, hidden, tokens, 4)
     ref = torch.log_softmax(hidden @ weight.T, -1)
     assert torch.allclose(torch.from_numpy(out.logprobs), ref[torch.arange(5), tokens], atol=1e-6)
@@ -118,13 +119,15 @@ def test_sampled_rows_get_their_tokens_logprob_and_rank():
     params = [SamplingParams(temperature=1.0, logprobs=3)] * 4 + [
         SamplingParams(temperature=0.0, logprobs=3), SamplingParams(top_p=0.9, logprobs=3)]
     reqs = [Request(f"r{i}", [1], p) for i, p in enumerate(params)]
-    out = Sampler([], seed=3)(LMHead(weight, chunk=BLOCK, workers=2), hidden, reqs)
+    head = LMHead(weight, chunk=BLOCK, workers=2, kernels=engine_kernels())
+    out = Sampler([], seed=3)(head, hidden, reqs)
     ref = torch.log_softmax(hidden @ weight.T, -1)
     tokens = torch.from_numpy(out.token_ids)
     chosen = ref[torch.arange(6), tokens]
     assert out.logprob_rows.tolist() == list(range(6))
     assert torch.allclose(torch.from_numpy(out.logprobs.logprobs), chosen, atol=1e-5)
     assert out.logprobs.ranks.tolist() == ((ref > chosen[:, None]).sum(-1) + 1).tolist()
-    assert torch.allclose(torch.from_numpy(out.logprobs.top_logprobs), ref.topk(3).values, atol=1e-5)
+    top = torch.from_numpy(out.logprobs.top_logprobs)
+    assert torch.allclose(top, ref.topk(3).values, atol=1e-5)
     assert int(tokens[4]) == int(ref[4].argmax()) and out.logprobs.ranks[4] == 1
     assert (out.logprobs.ranks[:4] > 1).any()  # some sampled token was not the argmax

@@ -8,17 +8,27 @@ import shutil
 import pytest
 import torch
 
-from engine_core import native
 from engine_core.lm_head import BLOCK, ChunkPool, LMHead
+from tests.unit.engine_core.heads import engine_kernels
 
 PATHS = [pytest.param(True, id="native"), pytest.param(False, id="torch")]
+
+
+def kernels_for(native_path: bool):
+    """The compiled kernels for the native path (skipped where they do not build), else None."""
+    if not native_path:
+        return None
+    kernels = engine_kernels()
+    if kernels is None:
+        pytest.skip("no LM-head kernels here: the head keeps its torch path")
+    return kernels
 
 
 def test_native_kernels_build_where_there_is_a_compiler():
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler here: the head keeps its torch path")
-    assert native.load() is not None
-    assert LMHead(torch.randn(300, 8)).native
+    assert engine_kernels() is not None
+    assert LMHead(torch.randn(300, 8), kernels=engine_kernels()).backend == "native"
     # loading them leaves the process's float environment alone (no flush-to-zero)
     assert (torch.tensor([1e-40]) * 1.0).item() != 0.0
 
@@ -32,8 +42,8 @@ def test_scan_matches_whole_vocabulary_reductions(native_path: bool, workers: in
     g = torch.Generator().manual_seed(vocab + chunk + rows)
     hidden, weight = torch.randn(rows, 16, generator=g), torch.randn(vocab, 16, generator=g)
     weight[500 % vocab] = weight[17]  # an exact tie: the first index wins, as torch.argmax
-    head = LMHead(weight, workers=workers, chunk=chunk, native=native_path)
-    assert head.native == native_path
+    head = LMHead(weight, workers=workers, chunk=chunk, kernels=kernels_for(native_path))
+    assert head.backend == ("native" if native_path else "torch")
     sampled = torch.arange(0, rows, 3)
     temps = torch.tensor([1.0, 0.5, 2.0, 0.7, 1.3, 1.0, 0.9])[:len(sampled)]
     scan = head.scan(hidden, lse=True, top_k=5, sample_rows=sampled, temperatures=temps)
@@ -57,11 +67,12 @@ def test_draw_sums_at_unit_temperature(native_path: bool, lse: bool):
     """Every sampled row at T = 1: with the logsumexp asked for, its sums serve the draw."""
     g = torch.Generator().manual_seed(5)
     hidden, weight = torch.randn(5, 8, generator=g), torch.randn(700, 8, generator=g)
-    head = LMHead(weight, workers=2, chunk=BLOCK, native=native_path)
+    head = LMHead(weight, workers=2, chunk=BLOCK, kernels=kernels_for(native_path))
     rows = torch.tensor([1, 4])
     scan = head.scan(hidden, lse=lse, sample_rows=rows, temperatures=torch.ones(2))
     ref = (hidden @ weight.T)[rows]
-    weights = torch.nn.functional.pad((ref - ref.max(-1, keepdim=True).values).exp(), (0, -700 % BLOCK))
+    weights = (ref - ref.max(-1, keepdim=True).values).exp()
+    weights = torch.nn.functional.pad(weights, (0, -700 % BLOCK))
     assert torch.allclose(scan.block_sums, weights.unflatten(1, (-1, BLOCK)).sum(-1), rtol=1e-5)
     assert (scan.lse is None) != lse
 
@@ -70,7 +81,7 @@ def test_draw_sums_at_unit_temperature(native_path: bool, lse: bool):
 def test_count_above(native_path: bool):
     g = torch.Generator().manual_seed(9)
     hidden, weight = torch.randn(9, 8, generator=g), torch.randn(1500, 8, generator=g)
-    head = LMHead(weight, workers=2, chunk=2 * BLOCK, native=native_path)
+    head = LMHead(weight, workers=2, chunk=2 * BLOCK, kernels=kernels_for(native_path))
     scan = head.scan(hidden)
     rows = torch.tensor([8, 2, 5])
     thr = scan.logits[rows, torch.tensor([3, 700, 1499])]
@@ -78,16 +89,18 @@ def test_count_above(native_path: bool):
     assert head.count_above(scan, rows, thr).tolist() == expected.tolist()
     most = torch.tensor([8, 0, 3, 5, 6, 1])  # most rows, out of order: counted through views
     thr = scan.logits[most, most * 150]
-    assert head.count_above(scan, most, thr).tolist() == (scan.logits[most] > thr[:, None]).sum(-1).tolist()
+    expected = (scan.logits[most] > thr[:, None]).sum(-1)
+    assert head.count_above(scan, most, thr).tolist() == expected.tolist()
     every = torch.arange(9)
     thr = scan.logits[every, every * 100]
-    assert head.count_above(scan, every, thr).tolist() == (scan.logits > thr[:, None]).sum(-1).tolist()
+    expected = (scan.logits > thr[:, None]).sum(-1)
+    assert head.count_above(scan, every, thr).tolist() == expected.tolist()
 
 
 def test_softcap_takes_the_torch_path():
     hidden, weight = torch.randn(4, 8), torch.randn(900, 8) * 10
-    head = LMHead(weight, softcap=5.0, workers=2, chunk=BLOCK)
-    assert not head.native
+    head = LMHead(weight, softcap=5.0, workers=2, chunk=BLOCK, kernels=engine_kernels())
+    assert head.backend == "torch"
     scan = head.scan(hidden, lse=True)
     ref = torch.tanh(hidden @ weight.T / 5.0) * 5.0
     assert torch.allclose(scan.logits, ref, atol=1e-5)
@@ -111,7 +124,8 @@ def test_pool_runs_every_index_once_and_reraises():
 def test_head_with_bias_takes_the_linear_path():
     """A bias keeps the [vocab, hidden] weight and F.linear (the path CUDA heads take)."""
     hidden, weight, bias = torch.randn(3, 8), torch.randn(600, 8), torch.randn(600)
-    head = LMHead(weight, bias=bias, workers=2, chunk=BLOCK)
+    head = LMHead(weight, bias=bias, workers=2, chunk=BLOCK, kernels=engine_kernels())
+    assert head.backend == "torch"
     scan = head.scan(hidden, lse=True, top_k=2)
     ref = hidden @ weight.T + bias
     assert torch.allclose(scan.logits, ref, atol=1e-5)

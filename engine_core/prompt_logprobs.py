@@ -1,0 +1,63 @@
+"""Prompt logprobs, scored chunk by chunk as a prompt is computed and sent once it is whole.
+
+A prompt that asked for logprobs may be computed over several steps (chunked prefill, the
+scheduler's budget of prompt rows); each step scores the positions it computed, and the chunks
+wait here, keyed by request, until the last one. Preemption or abort drops a request's chunks:
+after a preemption its prompt is computed, and scored, again from the start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine_core.lm_head import LMHead
+from engine_core.sampler import token_logprobs
+from engine_core.scheduler import Scheduled
+from shared.step_outputs import Logprobs
+
+# Prompt positions per LM-head scan, so a long echoed prompt never materialises a
+# [prompt_len, vocab] logits tensor at once (how 64 was chosen: docs/benchmarks.md).
+PROMPT_LOGITS_ROWS = 64
+
+
+class PromptLogprobsAccumulator:
+    """The scored chunks of prompts not yet complete, by request id, in order."""
+
+    def __init__(self) -> None:
+        self._chunks: dict[str, list[Logprobs]] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._chunks
+
+    def add(self, request_id: str, chunk: Logprobs) -> None:
+        self._chunks.setdefault(request_id, []).append(chunk)
+
+    def complete(self, request_id: str, k: int) -> Logprobs:
+        """The request's chunks as one, in order (`k` top entries each); forgets them."""
+        return Logprobs.concat(self._chunks.pop(request_id, []), k)
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request's partial chunks (preempted: it is scored again; or aborted)."""
+        self._chunks.pop(request_id, None)
+
+    def score_step(self, head: LMHead, scheduled: Sequence[Scheduled],
+                   prompt_rows: Sequence[tuple[int, int]], hidden: torch.Tensor
+                   ) -> dict[str, Logprobs]:
+        """Score this step's prompt positions: `hidden[lo:hi]` are scheduled item i's, for
+        (lo, hi) = prompt_rows[i]. Returns the prompts completed by this step, by request id."""
+        done: dict[str, Logprobs] = {}
+        for s, (lo, hi) in zip(scheduled, prompt_rows):
+            req = s.request
+            if req.prompt_logprobs_done:
+                continue
+            k = req.params.prompt_logprobs or 0
+            for a in range(lo, hi, PROMPT_LOGITS_ROWS):
+                b = min(hi, a + PROMPT_LOGITS_ROWS)
+                first = s.start + 1 + a - lo  # logits at position p score prompt token p + 1
+                targets = torch.tensor(req.prompt_token_ids[first:first + b - a])
+                self.add(req.request_id, token_logprobs(head, hidden[a:b], targets, k))
+            if s.completes_prompt:
+                done[req.request_id] = self.complete(req.request_id, k)
+        return done

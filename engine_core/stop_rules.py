@@ -1,0 +1,36 @@
+"""When a request is done: the engine's stop rules, as one pure check after each new token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from engine_core.request import Request
+from shared.messages import FinishReason
+
+
+class Stop(NamedTuple):
+    """Why a request finished; `stop_token_id` when one of its stop_token_ids ended it."""
+
+    reason: FinishReason
+    stop_token_id: int | None = None
+
+
+@dataclass(frozen=True)
+class StopRules:
+    """The model's EOS ids and context length, with which each request's params decide."""
+
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+
+    def check(self, req: Request, token: int) -> Stop | None:
+        """Whether `req` is done now that `token`, already appended, is its newest."""
+        p = req.params
+        if req.num_output_tokens > p.min_tokens:  # earlier stop tokens were masked out
+            if token in p.stop_token_ids:
+                return Stop(FinishReason.STOP, token)
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return Stop(FinishReason.STOP)
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return Stop(FinishReason.LENGTH)
+        return None

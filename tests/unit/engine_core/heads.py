@@ -1,0 +1,16 @@
+"""The LM-head kernels as the engine gets them on this machine, for tests that build heads."""
+
+from __future__ import annotations
+
+import functools
+
+from engine_core.config import EngineConfig
+from engine_core.native import Kernels
+from engine_core.platform import Platform
+
+
+@functools.cache
+def engine_kernels() -> Kernels | None:
+    """The compiled kernels the platform loads here (None without a compiler, or with
+    TANDEM_NATIVE=0): a head built with them runs the engine's own backend."""
+    return Platform.detect(EngineConfig(model="unused", device="cpu")).head_kernels

@@ -1,0 +1,59 @@
+"""The platform settled at start-up: defaults per device, the flags that override them, and
+the environment passed in as a mapping."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from engine_core.config import EngineConfig
+from engine_core.platform import Platform, head_workers, step_budget
+
+CPU = EngineConfig(model="m", device="cpu")
+
+
+def test_cpu_defaults():
+    p = Platform.detect(CPU, environ={"TANDEM_NATIVE": "0"})
+    assert p.device == torch.device("cpu") and p.dtype == torch.float32
+    assert p.kv_cache_bytes == 2 << 30 and p.kv_cache_budget() == 2 << 30
+    assert (p.max_num_batched_tokens, p.min_num_batched_tokens) == (2048, 512)
+    assert p.head_chunk == 8192 and p.torch_threads is None
+
+
+def test_flags_fix_what_they_name():
+    config = EngineConfig(model="m", device="cpu", dtype="bfloat16", kv_cache_memory=12345,
+                          max_num_batched_tokens=300, num_threads=3)
+    p = Platform.detect(config, environ={"TANDEM_NATIVE": "0"})
+    assert p.dtype == torch.bfloat16 and p.kv_cache_budget() == 12345
+    assert (p.max_num_batched_tokens, p.min_num_batched_tokens) == (300, None)
+    assert p.torch_threads == 3 and p.head_workers == 1  # torch's own threads share the head
+
+
+def test_lm_head_backend_native_with_a_compiler_torch_when_turned_off():
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler here")
+    assert Platform.detect(CPU, environ={}).head_backend == "native"
+    assert Platform.detect(CPU, environ={"TANDEM_NATIVE": "1"}).head_backend == "native"
+    off = Platform.detect(CPU, environ={"TANDEM_NATIVE": "0"})
+    assert off.head_backend == "torch" and off.head_kernels is None
+
+
+def test_lm_head_backend_torch_when_the_kernels_do_not_build(tmp_path):
+    env = {"CC": str(tmp_path / "no-such-cc"), "TANDEM_CACHE": str(tmp_path)}
+    assert Platform.detect(CPU, environ=env).head_backend == "torch"
+
+
+def test_default_step_budget_by_device():
+    default = EngineConfig(model="m")
+    assert step_budget(default, torch.device("cuda")) == (2048, None)  # fixed, vLLM's
+    assert step_budget(default, torch.device("cpu")) == (2048, 512)  # follows the queue
+    fixed = EngineConfig(model="m", max_num_batched_tokens=300)
+    assert step_budget(fixed, torch.device("cpu")) == (300, None)
+
+
+def test_head_workers_every_core_only_when_torch_runs_on_one_thread():
+    assert head_workers(torch.device("cpu"), 2) == 1
+    assert head_workers(torch.device("cuda"), 1) == 1
+    assert head_workers(torch.device("cpu"), 1) >= 1
