@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q tests
 
 run: install

@@ -28,25 +28,33 @@ first use into $TANDEM_CACHE or ~/.cache/tandem)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Tandem: an OpenAI-compatible LLM server.")
+    parser = argparse.ArgumentParser(
+        prog="tandem", description="Tandem: an OpenAI-compatible LLM server."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="engine + frontends on one port", description=SERVE_HELP)
-    serve.add_argument("model", nargs="?", default=None, help="model folder or hub id (default: embedded tiny Llama)")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="model folder or hub id (default: embedded tiny Llama)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port shared by every frontend")
-    serve.add_argument("--api-server-count", type=int, default=1, help="number of frontend processes")
+    serve.add_argument("--api-server-count", type=int, default=1,
+                       help="number of frontend processes")
     serve.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $TANDEM_API_KEY)")
+                       help="require 'Authorization: Bearer KEY' on /v1/* "
+                            "(default: $TANDEM_API_KEY)")
     serve.add_argument("--engine-address", default=None,
-                       help="ZeroMQ address for the engine (default: an ipc:// socket in a temp folder)")
+                       help="ZeroMQ address for the engine "
+                            "(default: an ipc:// socket in a temp folder)")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     serve.add_argument("--ready-timeout", type=float, default=900.0,
                        help="seconds to wait for the engine to load the model")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(serve)
-    sub.add_parser("engine", help="run the engine core alone (see `tandem engine --help`)", add_help=False)
-    sub.add_parser("frontend", help="run one frontend against an engine (see `tandem frontend --help`)",
+    sub.add_parser("engine", help="run the engine core alone (see `tandem engine --help`)",
+                   add_help=False)
+    sub.add_parser("frontend",
+                   help="run one frontend against an engine (see `tandem frontend --help`)",
                    add_help=False)
     sub.add_parser("bench", help="benchmarks (see `tandem bench serve --help`)", add_help=False)
     return parser
@@ -55,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("engine", "frontend", "bench"):
-        module = {"engine": "engine_core", "frontend": "frontend.server", "bench": "frontend.bench"}[argv[0]]
+        module = {"engine": "engine_core", "frontend": "frontend.server",
+                  "bench": "frontend.bench"}[argv[0]]
         os.execv(sys.executable, [sys.executable, "-m", module, *argv[1:]])
     args = build_parser().parse_args(argv)
     return Launcher(args).run()
@@ -85,7 +94,8 @@ class Launcher:
             if not self._wait_frontends():
                 return 1
             print(f"tandem: serving {ready.model!r} on http://{self.args.host}:{self.args.port} "
-                  f"({self.args.api_server_count} frontend(s), engine pid {self.engine.pid})", flush=True)
+                  f"({self.args.api_server_count} frontend(s), engine pid {self.engine.pid})",
+                  flush=True)
             return self._supervise()
         finally:
             self._stop_all()
@@ -111,7 +121,8 @@ class Launcher:
         cmd = [sys.executable, "-m", "frontend.server", "--engine", self.address,
                "--ready-file", self._ready_file(i),
                "--host", self.args.host, "--port", str(self.args.port), "--reuse-port",
-               "--shutdown-grace", str(self.args.shutdown_grace), "--log-level", self.args.log_level]
+               "--shutdown-grace", str(self.args.shutdown_grace),
+               "--log-level", self.args.log_level]
         env = dict(os.environ)
         if self.args.api_key:
             env["TANDEM_API_KEY"] = self.args.api_key  # not on the command line, where ps shows it
@@ -129,8 +140,8 @@ class Launcher:
             while time.monotonic() < deadline and self.stop_signal is None:
                 assert self.engine is not None
                 if self.engine.poll() is not None:
-                    print(f"tandem: the engine exited with code {self.engine.returncode} before it was "
-                          "ready (see its log above)", file=sys.stderr)
+                    print(f"tandem: the engine exited with code {self.engine.returncode} "
+                          "before it was ready (see its log above)", file=sys.stderr)
                     return None
                 if sock.poll(200):
                     msg = OutputCodec().decode(sock.recv())
@@ -178,7 +189,8 @@ class Launcher:
         return 0
 
     def _stop_all(self) -> None:
-        """Frontends first (they drain in-flight requests within the grace period), then the engine."""
+        """Frontends first (they drain in-flight requests within the grace period), then the
+        engine."""
         _terminate(self.frontends, self.grace)
         _terminate([self.engine] if self.engine else [], 10)
 

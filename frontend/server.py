@@ -1,9 +1,10 @@
 """The frontend process: an aiohttp app speaking OpenAI's HTTP API to one engine core.
 
-`init_app(config)` builds the app; its cleanup context connects the EngineClient (Hello/Ready),
-loads the tokenizer the engine names, and closes everything on shutdown. `run_frontend(config)`
-serves it until SIGTERM/SIGINT, then stops accepting and gives in-flight requests
-`config.shutdown_grace` seconds to finish.
+`init_app(config)` builds the app: routes, Bearer auth, /health, /version, /v1/models and the
+/metrics handler here; the OpenAI APIs in `frontend.openai`. Its cleanup context connects the
+EngineClient (Hello/Ready), loads the tokenizer the engine names, settles the `ServedModel`, and
+closes everything on shutdown. `run_frontend(config)` serves it until SIGTERM/SIGINT, then stops
+accepting and gives in-flight requests `config.shutdown_grace` seconds to finish.
 
     python -m frontend.server --engine tcp://127.0.0.1:5555 --host 0.0.0.0 --port 8000
 """
@@ -23,17 +24,18 @@ from functools import partial
 from importlib import metadata
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
-from frontend.engine_client import EngineClient, EngineUnavailableError
+from frontend.engine.client import EngineClient, EngineUnavailableError
 from frontend.errors import Handler, OpenAIError, error_middleware
-from frontend.metrics import metrics_response
-from frontend.output_processor import TokenTextCache
-from frontend.protocol import ModelCard, ModelList
-from frontend.serving_chat import ServingChat
-from frontend.serving_completions import ServingCompletions
-from frontend.serving_tokens import ServingTokens
+from frontend.metrics import CONTENT_TYPE, render
+from frontend.openai.chat import ServingChat
+from frontend.openai.completions import ServingCompletions
+from frontend.openai.protocol import ModelList
+from frontend.openai.served_model import ServedModel
+from frontend.openai.serving import json_response
+from frontend.openai.tokens import ServingTokens
+from frontend.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -58,17 +60,11 @@ class FrontendConfig:
 
 CONFIG = web.AppKey("config", FrontendConfig)
 ENGINE = web.AppKey("engine", EngineClient)
+SERVED = web.AppKey("served", ServedModel)
 COMPLETIONS = web.AppKey("completions", ServingCompletions)
 CHAT = web.AppKey("chat", ServingChat)
 TOKENS = web.AppKey("tokens", ServingTokens)
-MODEL_NAME = web.AppKey("model_name", str)
 FRONTEND_ID = f"{socket.gethostname()}:{os.getpid()}"
-
-
-def load_tokenizer(name_or_path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(name_or_path)
 
 
 def init_app(
@@ -109,12 +105,12 @@ async def engine_context(
         tokenizer = await asyncio.get_running_loop().run_in_executor(
             None, tokenizer_loader, ready.tokenizer
         )
-        name = config.served_model_name or ready.model
+        served = ServedModel.from_ready(tokenizer, ready, config.served_model_name)
         app[ENGINE] = client
-        app[MODEL_NAME] = name
-        app[COMPLETIONS] = ServingCompletions(client, tokenizer, TokenTextCache(tokenizer), name)
-        app[CHAT] = ServingChat(app[COMPLETIONS])
-        app[TOKENS] = ServingTokens(app[COMPLETIONS], ready.tokenizer)
+        app[SERVED] = served
+        app[COMPLETIONS] = ServingCompletions(client, served)
+        app[CHAT] = ServingChat(client, served)
+        app[TOKENS] = ServingTokens(served, ready.tokenizer)
         logger.info(
             "engine at %s ready: model %s, max_model_len %d",
             config.engine_address,
@@ -152,7 +148,16 @@ async def add_retry_after(request: web.Request, response: web.StreamResponse) ->
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return await metrics_response(request.app[ENGINE], request.app[MODEL_NAME])
+    """GET /metrics: 503 when the engine, which holds the figures, does not answer."""
+    client = request.app[ENGINE]
+    client.latency.flush()  # this frontend's latest observations reach the engine first
+    try:
+        stats = await client.stats()
+    except (RuntimeError, TimeoutError) as exc:  # EngineDeadError, UtilityError, no answer
+        message = f"Metrics are unavailable: the engine did not answer ({exc})."
+        return OpenAIError(503, message).to_response()
+    body = render(stats, request.app[SERVED].name)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -176,9 +181,7 @@ async def tokenizer_info(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    name = request.app[MODEL_NAME]
-    card = ModelCard(id=name, root=name, max_model_len=request.app[ENGINE].ready.max_model_len)
-    return json_response(ModelList([card]))
+    return json_response(ModelList([request.app[SERVED].card()]))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -193,10 +196,6 @@ async def version(request: web.Request) -> web.Response:
     except metadata.PackageNotFoundError:
         number = "0.0.0+local"
     return web.json_response({"version": number})
-
-
-def json_response(payload: Any) -> web.Response:
-    return web.Response(body=msgspec.json.encode(payload), content_type="application/json")
 
 
 async def serve(config: FrontendConfig) -> None:

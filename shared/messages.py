@@ -17,7 +17,6 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for, per token (as OpenAI allows)
 
 

@@ -24,11 +24,11 @@ class Prompt(NamedTuple):
 
 
 def load_tokenizer(name_or_path: str) -> Any:
-    """AutoTokenizer.from_pretrained, with a message the user can act on when it fails."""
-    from transformers import AutoTokenizer
+    """The tokenizer of a folder or hub id, with a message the user can act on when it fails."""
+    from frontend.text.tokenizer import load_tokenizer as load
 
     try:
-        return AutoTokenizer.from_pretrained(name_or_path)
+        return load(name_or_path)
     except (OSError, ValueError) as exc:
         raise ValueError(
             f"could not load a tokenizer from {name_or_path!r} ({first_line(exc)}); "

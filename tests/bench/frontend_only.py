@@ -25,8 +25,8 @@ spaces the steps as a real engine's forward passes would, and each message then 
 One unmeasured warm-up run per group (short outputs, same concurrency) comes first. Printed per
 run: requests/s, streamed tokens/s, the ratio to 1 frontend, TTFT, ITL and end-to-end p50 (the
 client's view; ITL is the gap between text chunks as read, ~0 with no engine step time since
-the chunks then arrive in bursts), rows per StepOutputs the engine sent, and CPU use during the timed
-round in percent of one core: each frontend, the engine, this process (the load generator) and
+the chunks then arrive in bursts), rows per StepOutputs the engine sent, and CPU use during the
+timed round in percent of one core: each frontend, the engine, this process (the load generator) and
 the rest of the machine. Read the ratio next to the CPU columns: on a 2-core box the load
 generator, the engine and the frontends share two cores (with whatever else runs there), so a
 second frontend can only add what the first left idle; on a bigger, quiet box the same ratio

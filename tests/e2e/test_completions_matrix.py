@@ -31,7 +31,9 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path, tmp_path_factory):
-    srv = Server(tiny_llama, tmp_path_factory.mktemp("srv"), "--max-model-len", "512").wait_healthy()
+    srv = Server(
+        tiny_llama, tmp_path_factory.mktemp("srv"), "--max-model-len", "512"
+    ).wait_healthy()
     yield srv
     assert srv.stop() == 0
 
@@ -63,7 +65,9 @@ class Choice:
             self.finish_reason = c.finish_reason
 
 
-async def complete(client: openai.AsyncOpenAI, stream: bool, **kw) -> tuple[dict[int, Choice], object]:
+async def complete(
+    client: openai.AsyncOpenAI, stream: bool, **kw
+) -> tuple[dict[int, Choice], object]:
     choices: dict[int, Choice] = {}
     if not stream:
         resp = await client.completions.create(stream=False, **kw)
@@ -119,7 +123,9 @@ async def test_matrix_stream_equals_non_stream(server, tokenizer, tiny_llama):
     # Stop strings that really occur: a piece from the middle of each greedy continuation.
     stops = {}
     for name, prompt in PROMPTS.items():
-        full = await client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+        full = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=16, temperature=0
+        )
         text = full.choices[0].text
         stops[name] = [text[len(text) // 2: len(text) // 2 + 2]] if len(text) > 4 else ["\n\n"]
     sem = asyncio.Semaphore(16)
@@ -133,7 +139,9 @@ async def test_matrix_stream_equals_non_stream(server, tokenizer, tiny_llama):
             streamed, s_usage = await complete(client, True, **kw)
         label = (name, echo, logprobs, n, stop, max_tokens)
         assert sorted(plain) == sorted(streamed) == list(range(n)), label
-        assert usage.prompt_tokens == s_usage.prompt_tokens == len(tokenizer(PROMPTS[name]).input_ids)
+        assert (
+            usage.prompt_tokens == s_usage.prompt_tokens == len(tokenizer(PROMPTS[name]).input_ids)
+        )
         assert usage.completion_tokens == s_usage.completion_tokens, label
         for i in range(n):
             a, b = plain[i], streamed[i]

@@ -35,7 +35,9 @@ def collect(conn: EngineConn, rids: set[str]) -> dict[str, list[int]]:
 def test_handshake_and_generation(engine_addr):
     conn = EngineConn(engine_addr)
     ready = conn.hello()
-    assert ready.max_model_len == 256 and ready.vocab_size == 128256 and 128001 in ready.eos_token_ids
+    assert (
+        ready.max_model_len == 256 and ready.vocab_size == 128256 and 128001 in ready.eos_token_ids
+    )
     conn.add("a", [128000, 9906, 1917], max_tokens=5, temperature=0.0)
     conn.add("b", [128000, 791], max_tokens=3, temperature=0.0)
     got = collect(conn, {"a", "b"})

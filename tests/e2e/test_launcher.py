@@ -41,7 +41,9 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-async def stream_text(session: aiohttp.ClientSession, url: str, **body) -> tuple[str, list[dict], str]:
+async def stream_text(
+    session: aiohttp.ClientSession, url: str, **body
+) -> tuple[str, list[dict], str]:
     """POST a streamed completion; return (text, error events, frontend header)."""
     payload = {"model": "m", "prompt": "Hello there", "max_tokens": 16, "temperature": 0,
                "stream": True, **body}
@@ -151,7 +153,9 @@ async def test_engine_death_fails_fast_and_leaves_no_orphans(tiny_llama, tmp_pat
     kids = children_of(srv.proc.pid)
     engine_pid = next(p for p in kids if "engine_core" in Path(f"/proc/{p}/cmdline").read_text())
     async with aiohttp.ClientSession() as session:
-        stream = asyncio.create_task(stream_text(session, srv.url, max_tokens=2000, ignore_eos=True))
+        stream = asyncio.create_task(
+            stream_text(session, srv.url, max_tokens=2000, ignore_eos=True)
+        )
         await asyncio.sleep(1.0)
         os.kill(engine_pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -192,6 +196,9 @@ def test_api_key(tiny_llama, tmp_path):
         assert err.value.status_code == 401 and err.value.body["message"]
         good = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sekret", max_retries=0)
         model = good.models.list().data[0].id
-        assert good.completions.create(model=model, prompt="hi", max_tokens=2).choices[0].text is not None
+        assert (
+            good.completions.create(model=model, prompt="hi", max_tokens=2).choices[0].text
+            is not None
+        )
     finally:
         assert srv.stop() == 0

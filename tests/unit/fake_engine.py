@@ -62,10 +62,10 @@ def tokenizer_folder() -> str:
 
 @lru_cache(maxsize=4)
 def cached_tokenizer(path: str) -> Any:
-    """A tokenizer loader for init_app that loads each folder once per session."""
-    from transformers import AutoTokenizer
+    """The frontend's own tokenizer loader, loading each folder once per session."""
+    from frontend.text.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return load_tokenizer(path)
 
 
 def frontend_config(engine: FakeEngine, **overrides: Any) -> Any:

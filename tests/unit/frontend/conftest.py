@@ -1,5 +1,6 @@
-"""Unit-test fixtures: the real production tokenizers (written once per session, no model is
-built), and a fake engine with a frontend app client for the HTTP-layer tests."""
+"""Frontend unit-test fixtures: the real production tokenizers (written once per session, no
+model is built, loaded as the frontend loads them), and a fake engine with a frontend app client
+for the HTTP-layer tests."""
 
 from __future__ import annotations
 
@@ -7,17 +8,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
 from engine_core.default_model import DEFAULT, TINY_QWEN2, TinySpec, write_tokenizer
 from frontend.server import init_app
+from frontend.text.tokenizer import load_tokenizer
 from tests.unit.fake_engine import FakeEngine, cached_tokenizer, frontend_config
 
 
 def _load(spec: TinySpec, tmp_path_factory: pytest.TempPathFactory) -> Any:
     folder = tmp_path_factory.mktemp(f"tokenizer-{spec.name}")
     write_tokenizer(spec, folder)
-    return AutoTokenizer.from_pretrained(str(folder))
+    return load_tokenizer(str(folder))
 
 
 @pytest.fixture(scope="session")

@@ -8,14 +8,13 @@ from collections.abc import AsyncIterator
 import pytest
 import zmq
 
-from frontend.engine_client import (
+from frontend.engine.client import (
     EngineClient,
     EngineDeadError,
     EngineUnavailableError,
-    OutputStream,
-    StepItem,
     UtilityError,
 )
+from frontend.engine.stream import OutputStream, StepItem
 from shared.messages import Hello, Ready, SamplingParams
 from shared.transport import InputCodec, OutputCodec
 from tests.unit.fake_engine import FakeEngine

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-import frontend.detokenizer as detokenizer_module
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.logprob_text import TokenTextCache, _bytes_to_unicode, bytes_repr
+import frontend.text.detokenizer as detokenizer_module
+from frontend.text.detokenizer import IncrementalDetokenizer
+from frontend.text.logprob_text import TokenTextCache, _bytes_to_unicode, bytes_repr
 
 TEXTS = [
     "Hello, world! How are you?",

@@ -1,8 +1,8 @@
-"""OpenAI chat-completions schemas as msgspec Structs, and the chat request checks.
+"""OpenAI chat-completions schemas as msgspec Structs, and the checks of chat messages.
 
-A chat request is validated here (roles, content parts, logprobs fields), then its rendered
-prompt runs through the completions machinery: `to_completion_request` carries every sampling
-field over, so both APIs share one set of sampling and length rules.
+A chat request is the shared SamplingRequest plus messages and the chat's own length and
+logprobs fields; `frontend.openai.chat` renders its messages and samples the answer through the
+same planner as completions, so both APIs share one set of sampling and length rules.
 """
 
 from __future__ import annotations
@@ -13,13 +13,8 @@ import msgspec
 from msgspec import Meta
 
 from frontend.errors import bad_request
-from frontend.protocol import (
-    MAX_LOGPROBS,
-    CompletionRequest,
-    SamplingRequest,
-    Usage,
-    decode_request,
-)
+from frontend.openai.protocol import SamplingRequest, Usage
+from shared.messages import MAX_LOGPROBS
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -119,12 +114,16 @@ class ChatCompletionChunk(msgspec.Struct):
 
 
 def check_chat_request(req: ChatCompletionRequest) -> None:
-    """The chat-only rules (the sampling ones are checked as for completions); raises a 400."""
+    """The chat-only field rules (the messages are checked when rendered); raises a 400."""
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs can only be set when logprobs is true", "top_logprobs")
-    if not req.messages:
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """At least one message, each with a known role and text content; raises a 400."""
+    if not messages:
         raise bad_request("messages must hold at least one message", "messages")
-    for i, message in enumerate(req.messages):
+    for i, message in enumerate(messages):
         check_message(i, message)
 
 
@@ -147,64 +146,13 @@ def check_message(i: int, message: ChatMessage) -> None:
                 )
 
 
-def content_text(content: str | list[ContentPart] | None) -> str | None:
-    """A message's content as the chat template takes it: text parts joined by newlines."""
-    if content is None or isinstance(content, str):
-        return content
-    return "\n".join(part.text or "" for part in content)
-
-
-def template_messages(
-    messages: list[ChatMessage], has_developer_role: bool
-) -> list[dict[str, Any]]:
-    """The messages as dicts for `apply_chat_template`; developer becomes system where the
-    template does not know the developer role."""
-    rendered = []
-    for message in messages:
-        item = msgspec.structs.asdict(message)
-        item = {k: v for k, v in item.items() if v is not None or k == "content"}
-        item["content"] = content_text(message.content)
-        if message.role == "developer" and not has_developer_role:
-            item["role"] = "system"
-        rendered.append(item)
-    return rendered
-
-
 def max_completion_tokens(req: ChatCompletionRequest) -> int | None:
+    """The completion budget asked: max_completion_tokens wins over the older max_tokens."""
     if req.max_completion_tokens is not None:
         return req.max_completion_tokens
     return req.max_tokens
 
 
-def to_completion_request(req: ChatCompletionRequest, prompt_ids: list[int]) -> CompletionRequest:
-    """The completion request that samples the answer to `req` from its rendered prompt."""
-    return CompletionRequest(
-        prompt=prompt_ids,
-        model=req.model,
-        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        max_tokens=max_completion_tokens(req),
-        n=req.n,
-        seed=req.seed,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty,
-        logit_bias=req.logit_bias,
-        stop=req.stop,
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        stop_token_ids=req.stop_token_ids,
-        ignore_eos=req.ignore_eos,
-        min_tokens=req.min_tokens,
-        skip_special_tokens=req.skip_special_tokens,
-        spaces_between_special_tokens=req.spaces_between_special_tokens,
-        stream=req.stream,
-        stream_options=req.stream_options,
-        user=req.user,
-    )
-
-
-def decode_chat_request(body: bytes) -> ChatCompletionRequest:
-    return decode_request(body, ChatCompletionRequest)  # type: ignore[no-any-return]
+def top_logprobs(req: ChatCompletionRequest) -> int | None:
+    """Top alternatives per token the answer shows, or None when logprobs were not asked."""
+    return (req.top_logprobs or 0) if req.logprobs else None

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.stop_strings import StopStringChecker, find_stop, partial_stop_length
+from frontend.text.stop_strings import StopStringChecker, find_stop, partial_stop_length
 
 
 def feed_all(checker: StopStringChecker, chunks: list[str]) -> tuple[list[str], str | None]:

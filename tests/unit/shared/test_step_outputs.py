@@ -27,7 +27,8 @@ def test_round_trip_of_tokens_logprobs_prompt_logprobs_and_finishes() -> None:
     out = pack_step(
         ["a", "b", "c", "d"], [11, -1, 13, 14], logprobs=lps, lp_k=[3, -1, 0, 2],
         prompt_logprobs={1: prompt},
-        finished=[Finished(2, FinishReason.STOP, stop_token_id=13), Finished(3, FinishReason.LENGTH)])
+        finished=[Finished(2, FinishReason.STOP, stop_token_id=13),
+                  Finished(3, FinishReason.LENGTH)])
     rows = unpack_step(through_the_wire(out))
     assert [r.request_id for r in rows] == ["a", "b", "c", "d"]
     a, b, c, d = rows

@@ -11,60 +11,34 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from frontend.errors import bad_request
-from frontend.protocol import decode_request
-from frontend.protocol_chat import ChatMessage, check_message
-from frontend.serving_chat import render_chat
-from frontend.serving_completions import ServingCompletions
-
-
-class TokenizeRequest(msgspec.Struct, kw_only=True):
-    """Either `prompt` (a string) or `messages` (rendered with the chat template)."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    # Default: true for a prompt; false for messages, whose template writes BOS itself.
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-
-
-class TokenizeResponse(msgspec.Struct, omit_defaults=True):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
-    tokens: list[int]
-    model: str | None = None
-
-
-class DetokenizeResponse(msgspec.Struct):
-    prompt: str
+from frontend.openai.protocol import decode_request
+from frontend.openai.protocol_tokens import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from frontend.openai.served_model import ServedModel
+from frontend.openai.serving import json_response
 
 
 class ServingTokens:
-    """The tokenizer endpoints, for the tokenizer and model that ServingCompletions serves."""
+    """The tokenizer endpoints, for the served model's tokenizer."""
 
-    def __init__(self, completions: ServingCompletions, tokenizer_path: str) -> None:
-        self.completions = completions
-        self.tokenizer = completions.tokenizer
-        self.info = tokenizer_info(self.tokenizer, tokenizer_path, completions.max_model_len)
+    def __init__(self, served: ServedModel, tokenizer_path: str) -> None:
+        self.served = served
+        self.tokenizer = served.tokenizer
+        self.info = tokenizer_info(self.tokenizer, tokenizer_path, served.max_model_len)
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        req: TokenizeRequest = decode_request(await request.read(), TokenizeRequest)
-        self.completions.check_model(req.model)
+        req = decode_request(await request.read(), TokenizeRequest)
+        self.served.check_model(req.model)
         ids = self.token_ids(req)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return json_response(
-            TokenizeResponse(len(ids), self.completions.max_model_len, ids, strs)
-        )
+        return json_response(TokenizeResponse(len(ids), self.served.max_model_len, ids, strs))
 
     def token_ids(self, req: TokenizeRequest) -> list[int]:
         if (req.prompt is None) == (req.messages is None):
@@ -72,19 +46,14 @@ class ServingTokens:
         if req.prompt is not None:
             special = True if req.add_special_tokens is None else req.add_special_tokens
             return list(self.tokenizer.encode(req.prompt, add_special_tokens=special))
-        messages = req.messages or []
-        if not messages:
-            raise bad_request("messages must hold at least one message", "messages")
-        for i, message in enumerate(messages):
-            check_message(i, message)
-        text = render_chat(self.tokenizer, messages, req.add_generation_prompt)
+        text = self.served.render_chat(req.messages or [], req.add_generation_prompt)
         # add_special_tokens is false unless asked: the template already wrote BOS
         return list(self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens)))
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        req: DetokenizeRequest = decode_request(await request.read(), DetokenizeRequest)
-        self.completions.check_model(req.model)
-        self.completions.check_ids(req.tokens, "tokens")
+        req = decode_request(await request.read(), DetokenizeRequest)
+        self.served.check_model(req.model)
+        self.served.check_ids(req.tokens, "tokens")
         return json_response(DetokenizeResponse(self.tokenizer.decode(req.tokens)))
 
     async def tokenizer_info(self, request: web.Request) -> web.Response:
@@ -97,7 +66,7 @@ def tokenizer_info(tokenizer: Any, path: str, max_model_len: int) -> dict[str, A
     settings = getattr(tokenizer, "init_kwargs", {}) or {}
     info = {k: v for k, v in settings.items() if v is None or isinstance(v, (str, int, float))}
     info.update(
-        tokenizer_class=type(tokenizer).__name__,
+        tokenizer_class=getattr(tokenizer, "tokenizer_class", type(tokenizer).__name__),
         tokenizer_path=path,
         bos_token=tokenizer.bos_token,
         eos_token=tokenizer.eos_token,
@@ -106,7 +75,3 @@ def tokenizer_info(tokenizer: Any, path: str, max_model_len: int) -> dict[str, A
         model_max_length=max_model_len,
     )
     return info
-
-
-def json_response(payload: Any) -> web.Response:
-    return web.Response(body=msgspec.json.encode(payload), content_type="application/json")

@@ -11,8 +11,8 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from frontend.errors import OpenAIError
-from frontend.protocol_chat import ChatMessage
-from frontend.serving_chat import render_chat
+from frontend.openai.protocol_chat import ChatMessage
+from frontend.openai.served_model import render_chat
 from shared.messages import as_ints
 from tests.unit.fake_engine import (
     BOS,

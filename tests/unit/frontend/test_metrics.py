@@ -11,7 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_core.metrics import HistogramTotals
-from frontend.metrics import BUCKETS, E2E, ITL, TTFT, HistogramBuffer, LatencyRecorder, render
+from frontend.engine.latency import BUCKETS, E2E, ITL, TTFT, HistogramBuffer, LatencyRecorder
+from frontend.metrics import render
 from frontend.server import init_app
 from shared.messages import (
     AddRequest,

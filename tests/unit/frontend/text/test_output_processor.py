@@ -13,9 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend.output_processor import ChoiceDelta, ChoiceProcessor, OutputOptions, merge_deltas
+from frontend.text.output_processor import (
+    ChoiceDelta,
+    ChoiceProcessor,
+    OutputOptions,
+    merge_deltas,
+)
 from shared.step_outputs import TokenLogprob
-from tests.unit.test_detokenizer import straddling_ids
+from tests.unit.frontend.text.test_detokenizer import straddling_ids
 
 REPLACEMENT = "\ufffd"
 FILLER_IDS = (15, 16, 17)  # "0", "1", "2" in both vocabularies: top-k alternatives

@@ -8,14 +8,12 @@ import msgspec
 import pytest
 
 from frontend.errors import OpenAIError, from_validation_error
-from frontend.protocol import (
-    CompletionRequest,
-    decode_completion_request,
-    parse_logit_bias,
-    split_prompts,
-)
-from frontend.serving_completions import sampling_params
-from tests.unit.fake_engine import FakeEngine
+from frontend.openai.completions import completion_fields
+from frontend.openai.plan import parse_logit_bias, read_sampling
+from frontend.openai.protocol import CompletionRequest, decode_request, split_prompts
+from frontend.openai.served_model import ServedModel
+from shared.messages import SamplingParams
+from tests.unit.fake_engine import FakeEngine, cached_tokenizer, tokenizer_folder
 
 BAD = [
     ({}, "prompt"),
@@ -59,6 +57,16 @@ BAD = [
     ({"seed": "1"}, "seed"),
     ({"seed": 2**64}, "seed"),
 ]
+
+
+def decode_completion_request(body: bytes) -> CompletionRequest:
+    return decode_request(body, CompletionRequest)
+
+
+def sampling_params(req: CompletionRequest, max_tokens: int, sample: int) -> SamplingParams:
+    """What the planner gives sample `sample` of a prompt of `req` with this budget."""
+    served = ServedModel(cached_tokenizer(tokenizer_folder()), "fake-model", 256, 128256)
+    return read_sampling(req, completion_fields(req), served).params_for(max_tokens, sample)
 
 
 async def error_of(resp: Any, status: int) -> dict[str, Any]:

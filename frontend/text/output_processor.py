@@ -9,9 +9,9 @@ delta's `text` (echoed prompt included). Invariants, whatever the grouping of st
 - text_offset[k] is where token k's text starts in `full`, clamped to len(full) when a stop
   string cut the text; offsets never decrease, the first is 0 with echo; a token that is only
   part of a character owns no characters, the token completing it owns all of it;
-- a token's entry (token id, logprob entry) is released in the delta that releases the first of
-  its text, or text after it, or at finish: no delta carries entries without text except the
-  last one;
+- a token's entry (its generated token, its logprob entry) is released in the delta that
+  releases the first of its text, or text after it, or at finish: no delta carries entries
+  without text except the last one;
 - merging every delta in order (`merge_deltas`) gives the non-streaming answer.
 """
 
@@ -22,23 +22,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.logprob_text import TokenTextCache, token_id_repr
-from frontend.stop_strings import StopStringChecker
+from frontend.text.detokenizer import IncrementalDetokenizer
+from frontend.text.logprob_text import TokenTextCache, token_id_repr
+from frontend.text.stop_strings import StopStringChecker
 from shared.step_outputs import TokenLogprob
 
-__all__ = [
-    "ChoiceDelta",
-    "ChoiceProcessor",
-    "OutputOptions",
-    "TokenLogprob",
-    "TokenTextCache",
-    "merge_deltas",
-]
+__all__ = ["ChoiceDelta", "ChoiceProcessor", "GeneratedToken", "OutputOptions", "merge_deltas"]
 
 
 @dataclass(frozen=True)
 class OutputOptions:
+    """How a request's choices turn into text: decided once per request, by the planner."""
+
     echo: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token + top-k
     stop: tuple[str, ...] = ()
@@ -48,12 +43,21 @@ class OutputOptions:
     return_tokens_as_token_ids: bool = False
 
 
+class GeneratedToken(NamedTuple):
+    """A generated token released with a delta, as the engine sent it: for APIs that shape
+    logprobs their own way (chat) from token ids rather than from the completions entries."""
+
+    token_id: int
+    logprob: TokenLogprob | None  # None when logprobs were not asked
+    terminator: bool  # the EOS / stop token that ended the choice and added no text
+
+
 @dataclass
 class ChoiceDelta:
     """What one choice gained since the previous call."""
 
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)  # generated ids released with this delta
+    generated: list[GeneratedToken] = field(default_factory=list)  # released with this delta
     tokens: list[str] = field(default_factory=list)  # filled only when logprobs were asked
     token_logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
@@ -62,15 +66,19 @@ class ChoiceDelta:
     stop_reason: str | int | None = None  # the matched stop string, or the stop token id
 
     @property
+    def token_ids(self) -> list[int]:
+        """The generated ids released with this delta, in order."""
+        return [g.token_id for g in self.generated]
+
+    @property
     def is_empty(self) -> bool:
         """Nothing worth sending: no text, no entries, no finish."""
-        no_entries = not self.token_ids and not self.tokens
+        no_entries = not self.generated and not self.tokens
         return not self.text and no_entries and self.finish_reason is None
 
 
 class _Entry(NamedTuple):
-    token_id: int
-    generated: bool
+    generated: GeneratedToken | None  # None for a prompt token (echo)
     offset: int  # where the token's text starts in `full` (before any clamping)
     token: str | None  # None when logprobs were not asked
     logprob: float | None
@@ -140,7 +148,7 @@ class ChoiceProcessor:
         for i, token_id in enumerate(self._prompt_ids):
             logprob = None if i == 0 or prompt_logprobs is None else prompt_logprobs[i - 1]
             released, text = self._released, detok.add(token_id)
-            self._queue(token_id, logprob, released + detok.last_token_start, False)
+            self._queue(token_id, logprob, released + detok.last_token_start, None)
             self._emit(text)
         self._emit(detok.flush())
 
@@ -170,10 +178,12 @@ class ChoiceProcessor:
             self._num_generated += 1
             if finish_reason == "stop" and not self._options.include_stop_str_in_output:
                 self._generated_text(self._detok.flush())  # the terminator comes after it all
-                self._queue(token_id, logprob, self._produced, True)
+                generated = GeneratedToken(token_id, logprob, terminator=True)
+                self._queue(token_id, logprob, self._produced, generated)
             else:
                 produced, text = self._produced, self._detok.add(token_id)
-                self._queue(token_id, logprob, produced + self._detok.last_token_start, True)
+                generated = GeneratedToken(token_id, logprob, terminator=False)
+                self._queue(token_id, logprob, produced + self._detok.last_token_start, generated)
                 self._generated_text(text)
         if self._stop.matched is None and finish_reason is not None:
             self._generated_text(self._detok.flush())
@@ -196,16 +206,20 @@ class ChoiceProcessor:
         self._released += len(text)
 
     def _queue(
-        self, token_id: int, logprob: TokenLogprob | None, offset: int, generated: bool
+        self,
+        token_id: int,
+        logprob: TokenLogprob | None,
+        offset: int,
+        generated: GeneratedToken | None,
     ) -> None:
         """Queue the token's entry; `offset` is where its text starts in `full`."""
         if self._options.logprobs is None:
-            self._entries.append(_Entry(token_id, generated, offset, None, None, None))
+            self._entries.append(_Entry(generated, offset, None, None, None))
             return
         token = self._token_string(token_id)
         top = None if logprob is None else self._top_dict(token, logprob)
         value = None if logprob is None else float(logprob.logprob)
-        self._entries.append(_Entry(token_id, generated, offset, token, value, top))
+        self._entries.append(_Entry(generated, offset, token, value, top))
 
     def _token_string(self, token_id: int) -> str:
         if self._options.return_tokens_as_token_ids:
@@ -226,8 +240,8 @@ class ChoiceProcessor:
         self._text_out.clear()
         while self._entries and (self.finished or self._entries[0].offset < self._released):
             entry = self._entries.popleft()
-            if entry.generated:
-                delta.token_ids.append(entry.token_id)
+            if entry.generated is not None:
+                delta.generated.append(entry.generated)
             if entry.token is not None:
                 delta.tokens.append(entry.token)
                 delta.token_logprobs.append(entry.logprob)
@@ -243,7 +257,7 @@ def merge_deltas(deltas: Iterable[ChoiceDelta]) -> ChoiceDelta:
     parts: list[str] = []
     for d in deltas:
         parts.append(d.text)
-        merged.token_ids += d.token_ids
+        merged.generated += d.generated
         merged.tokens += d.tokens
         merged.token_logprobs += d.token_logprobs
         merged.top_logprobs += d.top_logprobs

@@ -1,0 +1,147 @@
+"""POST /v1/chat/completions: render the chat template, then sample as completions do.
+
+The messages are rendered with the tokenizer's chat template and tokenized without adding
+special tokens again (the template writes BOS itself). The rendered prompt goes through the same
+planner and engine loop as completions (validation, ChoiceProcessor, abort handling); this
+module only shapes the answer: messages, role/content deltas, and OpenAI's chat logprobs, built
+from the generated tokens each delta releases, so that every token carries its real bytes. The
+token that ended a choice (EOS or a stop_token_ids token) is not message content and gets no
+logprobs entry unless include_stop_str_in_output put its text in the message.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from frontend.engine.client import EngineClient
+from frontend.openai.plan import ApiFields, RequestPlan, plan_request
+from frontend.openai.protocol import Usage, decode_request
+from frontend.openai.protocol_chat import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatStreamChoice,
+    DeltaMessage,
+    ResponseMessage,
+    TokenLogprobEntry,
+    TopLogprob,
+    check_chat_request,
+    max_completion_tokens,
+    top_logprobs,
+)
+from frontend.openai.served_model import ServedModel
+from frontend.openai.serving import collect_choices, json_response, stream_choices
+from frontend.text.logprob_text import TokenTextCache
+from frontend.text.output_processor import ChoiceDelta, GeneratedToken, merge_deltas
+
+
+class ServingChat:
+    """The /v1/chat/completions endpoint for one engine and one served model."""
+
+    def __init__(self, client: EngineClient, served: ServedModel) -> None:
+        self.client = client
+        self.served = served
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        req = decode_request(await request.read(), ChatCompletionRequest)
+        plan = self.plan(req)
+        if req.stream:
+            return await self._stream(request, req, plan)
+        return await self._complete(req, plan)
+
+    def plan(self, req: ChatCompletionRequest) -> RequestPlan:
+        """Check, render and plan every choice; raises a 4xx OpenAIError."""
+        check_chat_request(req)
+        text = self.served.render_chat(req.messages, req.add_generation_prompt, req.tools)
+        fields = ApiFields(
+            prompt=self.served.chat_prompt_ids(text),
+            max_tokens=max_completion_tokens(req),
+            logprobs=top_logprobs(req),
+            logprob_entries=False,  # chat shapes its own, from the released tokens
+        )
+        return plan_request(req, fields, self.served, "chatcmpl")
+
+    async def _complete(self, req: ChatCompletionRequest, plan: RequestPlan) -> web.Response:
+        logprobs = ChatLogprobsBuilder(self.served.token_text, top_logprobs(req))
+        choices = []
+        for index, deltas in enumerate(await collect_choices(self.client, plan)):
+            d = merge_deltas(deltas)
+            message = ResponseMessage(d.text)
+            choices.append(
+                ChatChoice(index, message, logprobs.of(d), d.finish_reason, d.stop_reason)
+            )
+        return json_response(
+            ChatCompletionResponse(plan.id, plan.created, plan.model, choices, plan.usage())
+        )
+
+    async def _stream(
+        self, request: web.Request, req: ChatCompletionRequest, plan: RequestPlan
+    ) -> web.StreamResponse:
+        options = req.stream_options
+        with_usage = options is not None and options.continuous_usage_stats
+        logprobs = ChatLogprobsBuilder(self.served.token_text, top_logprobs(req))
+        greeted = [False] * len(plan.choices)
+
+        def chunk(index: int, choice: ChatStreamChoice) -> ChatCompletionChunk:
+            usage = plan.choices[index].usage() if with_usage else None
+            return ChatCompletionChunk(plan.id, plan.created, plan.model, [choice], usage)
+
+        def chunks_of(index: int, delta: ChoiceDelta) -> list[ChatCompletionChunk]:
+            chunks = []
+            if not greeted[index]:  # the role comes first, once per choice
+                greeted[index] = True
+                chunks.append(chunk(index, ChatStreamChoice(index, DeltaMessage("assistant", ""))))
+            if not delta.is_empty:
+                content = DeltaMessage(content=delta.text)
+                chunks.append(chunk(index, ChatStreamChoice(
+                    index, content, logprobs.of(delta), delta.finish_reason, delta.stop_reason
+                )))
+            return chunks
+
+        def usage_chunk(usage: Usage) -> ChatCompletionChunk:
+            return ChatCompletionChunk(plan.id, plan.created, plan.model, [], usage)
+
+        final = usage_chunk if options is not None and options.include_usage else None
+        return await stream_choices(request, self.client, plan, chunks_of, final)
+
+
+class ChatLogprobsBuilder:
+    """OpenAI's chat logprobs from the generated tokens a delta releases."""
+
+    def __init__(self, token_text: TokenTextCache, top_k: int | None) -> None:
+        self.token_text = token_text
+        self.top_k = top_k  # None: logprobs were not asked
+
+    def of(self, delta: ChoiceDelta) -> ChatLogprobs | None:
+        if self.top_k is None:
+            return None
+        return ChatLogprobs(
+            [self._entry(g, self.top_k) for g in delta.generated if has_entry(g)]
+        )
+
+    def _entry(self, token: GeneratedToken, k: int) -> TokenLogprobEntry:
+        assert token.logprob is not None
+        lp = token.logprob
+        top = [self._top(int(i), float(v)) for i, v in zip(lp.top_ids[:k], lp.top_logprobs[:k])]
+        chosen = self._top(token.token_id, float(lp.logprob))
+        return TokenLogprobEntry(chosen.token, chosen.logprob, chosen.bytes, top)
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        token = self.token_text.get(token_id)
+        return TopLogprob(token, logprob, token_bytes(self.token_text, token_id, token))
+
+
+def has_entry(token: GeneratedToken) -> bool:
+    """The terminating EOS / stop token is not message content: no entry for it."""
+    return not token.terminator and token.logprob is not None
+
+
+def token_bytes(token_text: TokenTextCache, token_id: int, token: str) -> list[int]:
+    """A token's own UTF-8 bytes; for a token that is not text alone, its raw bytes."""
+    if token.startswith("bytes:"):
+        raw = token_text.raw_bytes(token_id)
+        if raw is not None:
+            return list(raw)
+    return list(token.encode("utf-8"))

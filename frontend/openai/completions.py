@@ -1,0 +1,103 @@
+"""POST /v1/completions: decode, plan, run one engine request per choice, answer.
+
+Each choice has its own ChoiceProcessor; the non-streaming answer is built from the very deltas
+a stream would send (`to_choice`), so both agree exactly: the text-offset contract of DESIGN.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from frontend.engine.client import EngineClient
+from frontend.errors import bad_request
+from frontend.openai.plan import ApiFields, RequestPlan, plan_request
+from frontend.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChunk,
+    Usage,
+    decode_request,
+)
+from frontend.openai.served_model import ServedModel
+from frontend.openai.serving import collect_choices, json_response, stream_choices
+from frontend.text.output_processor import ChoiceDelta, merge_deltas
+
+
+class ServingCompletions:
+    """The /v1/completions endpoint for one engine and one served model."""
+
+    def __init__(self, client: EngineClient, served: ServedModel) -> None:
+        self.client = client
+        self.served = served
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        req = decode_request(await request.read(), CompletionRequest)
+        check_completion_request(req)
+        plan = plan_request(req, completion_fields(req), self.served, "cmpl")
+        if req.stream:
+            return await self._stream(request, req, plan)
+        return await self._complete(req, plan)
+
+    async def _complete(self, req: CompletionRequest, plan: RequestPlan) -> web.Response:
+        collected = await collect_choices(self.client, plan)
+        with_logprobs = req.logprobs is not None
+        choices = [to_choice(i, d, with_logprobs) for i, d in enumerate(collected)]
+        return json_response(
+            CompletionResponse(plan.id, plan.created, plan.model, choices, plan.usage())
+        )
+
+    async def _stream(
+        self, request: web.Request, req: CompletionRequest, plan: RequestPlan
+    ) -> web.StreamResponse:
+        options = req.stream_options
+        with_usage = options is not None and options.continuous_usage_stats
+        with_logprobs = req.logprobs is not None
+
+        def chunks_of(index: int, delta: ChoiceDelta) -> list[CompletionStreamChunk]:
+            if delta.is_empty:
+                return []
+            usage = plan.choices[index].usage() if with_usage else None
+            choices = [to_choice(index, [delta], with_logprobs)]
+            return [CompletionStreamChunk(plan.id, plan.created, plan.model, choices, usage)]
+
+        def usage_chunk(usage: Usage) -> CompletionStreamChunk:
+            return CompletionStreamChunk(plan.id, plan.created, plan.model, [], usage)
+
+        final = usage_chunk if options is not None and options.include_usage else None
+        return await stream_choices(request, self.client, plan, chunks_of, final)
+
+
+def check_completion_request(req: CompletionRequest) -> None:
+    """The completions-only field rules (the shared ones are the planner's); raises a 400."""
+    if req.suffix is not None:
+        raise bad_request("suffix is not currently supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request(
+            f"best_of must equal n (got best_of={req.best_of}, n={req.n}): "
+            "ranking several samples is not supported",
+            param="best_of",
+        )
+
+
+def completion_fields(req: CompletionRequest) -> ApiFields:
+    """What the planner needs from a completions request besides the shared fields."""
+    return ApiFields(
+        prompt=req.prompt,
+        max_tokens=req.max_tokens,
+        logprobs=req.logprobs,
+        echo=req.echo,
+        return_tokens_as_token_ids=req.return_tokens_as_token_ids,
+    )
+
+
+def to_choice(index: int, deltas: Sequence[ChoiceDelta], with_logprobs: bool) -> CompletionChoice:
+    """One choice from its deltas, concatenated (a stream chunk is the case of one delta)."""
+    d = merge_deltas(deltas)
+    logprobs = None
+    if with_logprobs:
+        logprobs = CompletionLogprobs(d.text_offset, d.token_logprobs, d.tokens, d.top_logprobs)
+    return CompletionChoice(index, d.text, logprobs, d.finish_reason, d.stop_reason)
