@@ -38,7 +38,7 @@ from shared.messages import (
     StopRequest,
     UtilityRequest,
     UtilityResult,
-    as_ints,
+    read_ints,
 )
 from shared.transport import InputCodec, OutputCodec, configure
 
@@ -90,7 +90,7 @@ class EngineProcess:
 
     def _handle(self, owner: bytes, msg: EngineInput) -> None:
         if isinstance(msg, AddRequest):
-            self.core.add_request(msg.request_id, as_ints(msg.prompt_token_ids).tolist(),
+            self.core.add_request(msg.request_id, read_ints(msg.prompt_token_ids),
                                   msg.params, owner)
         elif isinstance(msg, AbortRequest):
             self.core.abort(msg.request_ids)

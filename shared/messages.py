@@ -3,7 +3,9 @@
 Every message is a msgspec Struct (array_like, omit_defaults, tagged union), encoded with
 msgpack. Token ids and logprob arrays travel as packed little-endian int32/float32 bytes
 (columnar per step), never as one Python object per token: `ints()`/`floats()` pack them and
-`as_ints()`/`as_floats()` read them back as numpy views without copying.
+`read_ints()`/`read_floats()` read them back as lists. This module imports no numpy: frontends,
+which users run many of, import it and stay light (the engine packs its numpy columns in
+`shared/step_outputs.py`).
 
 Frontend -> engine: Hello, AddRequest, AbortRequest, StopRequest, UtilityRequest, MetricsReport.
 Engine -> frontend: Ready, StepOutputs, UtilityResult.
@@ -12,10 +14,12 @@ Engine -> frontend: Ready, StepOutputs, UtilityResult.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+import sys
+from array import array
+from collections.abc import Iterable
+from typing import Any
 
 import msgspec
-import numpy as np
 
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for, per token (as OpenAI allows)
 
@@ -183,17 +187,32 @@ EngineInput = Hello | AddRequest | AbortRequest | StopRequest | UtilityRequest |
 EngineOutput = Ready | StepOutputs | UtilityResult
 
 
-def ints(values: Sequence[int] | np.ndarray) -> bytes:
-    return np.asarray(values, dtype="<i4").tobytes()
+def ints(values: Iterable[int]) -> bytes:
+    return _packed("i", values)
 
 
-def floats(values: Sequence[float] | np.ndarray) -> bytes:
-    return np.asarray(values, dtype="<f4").tobytes()
+def floats(values: Iterable[float]) -> bytes:
+    return _packed("f", values)
 
 
-def as_ints(buf: bytes) -> np.ndarray:
-    return np.frombuffer(buf, dtype="<i4")
+def read_ints(buf: bytes) -> list[int]:
+    return _unpacked("i", buf)
 
 
-def as_floats(buf: bytes) -> np.ndarray:
-    return np.frombuffer(buf, dtype="<f4")
+def read_floats(buf: bytes) -> list[float]:
+    return _unpacked("f", buf)
+
+
+def _packed(typecode: str, values: Iterable[Any]) -> bytes:
+    packed = array(typecode, values)  # "i" and "f" are 4 bytes wherever CPython runs
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpacked(typecode: str, buf: bytes) -> list[Any]:
+    values = array(typecode)
+    values.frombytes(buf)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()

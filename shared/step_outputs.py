@@ -4,16 +4,22 @@ The engine packs a step's news column by column (`pack_step`); frontends, the te
 and the engine tests unpack it row by row (`unpack_step`). Logprobs travel as `Logprobs`
 columns (numpy arrays) on the engine side and reach the frontend as one `TokenLogprob` per
 token, with plain Python values.
+
+Frontends import this module for the unpacking alone and never load numpy (its memory counts
+in every frontend: docs/benchmarks.md, "Frontend memory"): numpy is imported where the engine
+side uses it, inside `pack_step` and `Logprobs`' helpers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from itertools import accumulate
+from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
+from shared.messages import Finished, PromptLogprobs, StepOutputs, read_floats, read_ints
 
-from shared.messages import Finished, PromptLogprobs, StepOutputs, as_floats, as_ints, floats, ints
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class Logprobs(NamedTuple):
@@ -29,6 +35,8 @@ class Logprobs(NamedTuple):
 
     def take(self, rows: np.ndarray | Sequence[int], k: int | None = None) -> Logprobs:
         """These rows (and the first `k` top entries of each)."""
+        import numpy as np
+
         idx = np.asarray(rows, dtype=np.int64)
         cols = slice(None) if k is None else slice(0, k)
         return Logprobs(self.logprobs[idx], self.ranks[idx], self.top_ids[idx, cols],
@@ -36,11 +44,15 @@ class Logprobs(NamedTuple):
 
     @staticmethod
     def empty(k: int = 0) -> Logprobs:
+        import numpy as np
+
         return Logprobs(np.zeros(0, np.float32), np.zeros(0, np.int32),
                         np.zeros((0, k), np.int32), np.zeros((0, k), np.float32))
 
     @staticmethod
     def concat(parts: Sequence[Logprobs], k: int = 0) -> Logprobs:
+        import numpy as np
+
         if not parts:
             return Logprobs.empty(k)
         return Logprobs(*(np.concatenate([p[f] for p in parts]) for f in range(4)))
@@ -76,6 +88,14 @@ def pack_step(req_ids: list[str], token_ids: np.ndarray | Sequence[int], *,
     top entries are sent. `prompt_logprobs` maps a row to its prompt's logprobs; each
     `Finished.index` names its row.
     """
+    import numpy as np
+
+    def ints(values: object) -> bytes:
+        return np.asarray(values, dtype="<i4").tobytes()
+
+    def floats(values: object) -> bytes:
+        return np.asarray(values, dtype="<f4").tobytes()
+
     out = StepOutputs(req_ids=req_ids, token_ids=ints(token_ids), finished=list(finished))
     if logprobs is not None and lp_k is not None:
         ks = np.asarray(lp_k, dtype=np.int32)
@@ -97,7 +117,7 @@ def pack_step(req_ids: list[str], token_ids: np.ndarray | Sequence[int], *,
 
 def unpack_step(out: StepOutputs) -> list[OutputRow]:
     """The rows of `out` that bring anything (a token, prompt logprobs or a finish)."""
-    tokens = as_ints(out.token_ids).tolist()
+    tokens = read_ints(out.token_ids)
     logprobs = _token_logprobs(out)
     prompts = {p.index: p for p in out.prompt_logprobs}
     finished = {f.index: f for f in out.finished}
@@ -115,10 +135,10 @@ def unpack_step(out: StepOutputs) -> list[OutputRow]:
 def _token_logprobs(out: StepOutputs) -> list[TokenLogprob | None] | None:
     if not out.lp_k:
         return None
-    ks = as_ints(out.lp_k).tolist()
-    ends = np.cumsum(np.maximum(as_ints(out.lp_k), 0)).tolist()
-    sampled, ranks = as_floats(out.lp_sampled).tolist(), as_ints(out.lp_rank).tolist()
-    ids, vals = as_ints(out.lp_top_ids).tolist(), as_floats(out.lp_top_vals).tolist()
+    ks = read_ints(out.lp_k)
+    ends = list(accumulate(max(k, 0) for k in ks))
+    sampled, ranks = read_floats(out.lp_sampled), read_ints(out.lp_rank)
+    ids, vals = read_ints(out.lp_top_ids), read_floats(out.lp_top_vals)
     starts = [0, *ends[:-1]]
     return [None if k < 0 else TokenLogprob(sampled[i], ranks[i], ids[a:b], vals[a:b])
             for i, (k, a, b) in enumerate(zip(ks, starts, ends))]
@@ -126,9 +146,7 @@ def _token_logprobs(out: StepOutputs) -> list[TokenLogprob | None] | None:
 
 def prompt_rows(plp: PromptLogprobs) -> list[TokenLogprob]:
     """Prompt tokens 1..P-1, one TokenLogprob each."""
-    logprobs = as_floats(plp.logprobs).tolist()
-    ranks = as_ints(plp.ranks).tolist()
-    n, k = len(logprobs), plp.k
-    top_ids = as_ints(plp.top_ids).reshape(n, k).tolist() if k else [[] for _ in range(n)]
-    top_vals = as_floats(plp.top_logprobs).reshape(n, k).tolist() if k else [[] for _ in range(n)]
-    return [TokenLogprob(*row) for row in zip(logprobs, ranks, top_ids, top_vals)]
+    logprobs, ranks = read_floats(plp.logprobs), read_ints(plp.ranks)
+    ids, vals, k = read_ints(plp.top_ids), read_floats(plp.top_logprobs), plp.k
+    return [TokenLogprob(lp, rank, ids[i * k:(i + 1) * k], vals[i * k:(i + 1) * k])
+            for i, (lp, rank) in enumerate(zip(logprobs, ranks))]

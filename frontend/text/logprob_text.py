@@ -48,8 +48,10 @@ def token_id_repr(token_id: int) -> str:
 class TokenTextCache:
     """Per-tokenizer cache of logprob token strings; share one across requests.
 
-    Entries never change for a given tokenizer, so the cache is a plain dict bounded by the
-    vocabulary size.
+    Entries never change for a given tokenizer, so the cache is a list indexed by token id,
+    bounded by the vocabulary size: less memory than a dict of the same entries, which counts
+    in a frontend (docs/benchmarks.md, "Frontend memory"). Ids outside the tokenizer's
+    vocabulary are computed each time.
     """
 
     def __init__(self, tokenizer: Any) -> None:
@@ -58,14 +60,15 @@ class TokenTextCache:
         self._byte_level = backend is not None and "ByteLevel" in str(backend.decoder)
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         self._added_ids = frozenset(added)
-        self._cache: dict[int, str] = {}
+        self._cache: list[str | None] = [None] * len(tokenizer)
 
     def get(self, token_id: int) -> str:
         """The logprob string of `token_id` (decoded alone, or bytes:... when not text)."""
-        text = self._cache.get(token_id)
+        if not 0 <= token_id < len(self._cache):
+            return self._compute(token_id)
+        text = self._cache[token_id]
         if text is None:
-            text = self._compute(token_id)
-            self._cache[token_id] = text
+            text = self._cache[token_id] = self._compute(token_id)
         return text
 
     def _compute(self, token_id: int) -> str:

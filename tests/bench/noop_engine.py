@@ -51,7 +51,6 @@ from shared.messages import (
     StopRequest,
     UtilityRequest,
     UtilityResult,
-    as_ints,
 )
 from shared.step_outputs import Logprobs, pack_step
 from shared.transport import InputCodec, OutputCodec, configure
@@ -79,7 +78,7 @@ class _Request:
 def plan_request(add: AddRequest, owner: bytes, bos: int | None, eos: list[int]) -> _Request:
     """Everything `add` will produce: tokens (cut at a stop token), logprobs, prompt logprobs."""
     params = add.params
-    prompt = as_ints(add.prompt_token_ids)
+    prompt = np.frombuffer(add.prompt_token_ids, dtype="<i4")
     source = prompt[prompt != bos] if bos is not None else prompt
     if len(source) == 0:
         source = prompt if len(prompt) else np.asarray([1000], dtype=np.int32)

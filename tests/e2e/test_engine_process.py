@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.messages import AbortRequest, StepOutputs, as_ints
+from shared.messages import AbortRequest, StepOutputs, read_ints
 from tests.e2e.engine_proc import EngineConn, start_engine
 
 
@@ -25,7 +25,7 @@ def collect(conn: EngineConn, rids: set[str]) -> dict[str, list[int]]:
         assert isinstance(msg, StepOutputs)
         for i, rid in enumerate(msg.req_ids):
             assert rid in rids, "an output was routed to the wrong frontend"
-            t = int(as_ints(msg.token_ids)[i])
+            t = read_ints(msg.token_ids)[i]
             if t >= 0:
                 got[rid].append(t)
         done |= {msg.req_ids[f.index] for f in msg.finished}

@@ -34,7 +34,7 @@ from shared.messages import (
     StopRequest,
     UtilityRequest,
     UtilityResult,
-    as_ints,
+    read_ints,
 )
 from shared.step_outputs import Logprobs, pack_step
 from shared.transport import InputCodec, OutputCodec, configure
@@ -161,7 +161,7 @@ class FakeEngine:
             self._send(identity, self.ready)
         elif isinstance(msg, AddRequest):
             self.added.append(msg)
-            prompt = as_ints(msg.prompt_token_ids).tolist()
+            prompt = read_ints(msg.prompt_token_ids)
             source = [t for t in prompt if t != BOS] or prompt
             self.running[msg.request_id] = _Running(identity, msg, source)
         elif isinstance(msg, (AbortRequest, StopRequest)):  # Stop: aborted for a stop string
@@ -192,7 +192,7 @@ class FakeEngine:
 
     def _advance(self, req: _Running, step: _Step, row: int) -> Finished | None:
         params = req.add.params
-        prompt_len = len(as_ints(req.add.prompt_token_ids))
+        prompt_len = len(read_ints(req.add.prompt_token_ids))
         if not req.started and params.prompt_logprobs is not None:
             step.prompt_logprobs[row] = fake_prompt_logprobs(req.add)
         req.started = True
@@ -228,7 +228,7 @@ class FakeEngine:
 
 def fake_prompt_logprobs(add: AddRequest) -> Logprobs:
     """Prompt token i (1..P-1) gets logprob -i/10, rank 1, top-k led by the token itself."""
-    prompt = as_ints(add.prompt_token_ids)[1:]
+    prompt = np.asarray(read_ints(add.prompt_token_ids))[1:]
     k = add.params.prompt_logprobs or 0
     rows = np.arange(len(prompt))
     return Logprobs(

@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestClient
 from frontend.errors import OpenAIError
 from frontend.openai.protocol_chat import ChatMessage
 from frontend.openai.served_model import render_chat
-from shared.messages import as_ints
+from shared.messages import read_ints
 from tests.unit.fake_engine import (
     BOS,
     EOS,
@@ -83,7 +83,7 @@ async def test_answer_shape_and_prompt(client: Client, engine: FakeEngine) -> No
     [choice] = body["choices"]
     assert choice["message"] == {"role": "assistant", "content": "<｜User｜>Party 🎉"}
     assert choice["finish_reason"] == "length" and choice["logprobs"] is None
-    prompt = as_ints(engine.added[0].prompt_token_ids).tolist()
+    prompt = read_ints(engine.added[0].prompt_token_ids)
     assert prompt == template_ids(USER) and prompt.count(BOS) == 1 and prompt[0] == BOS
     assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 5,
                              "total_tokens": len(prompt) + 5}
@@ -154,7 +154,7 @@ async def test_content_parts_developer_and_generation_prompt(
                                  {"role": "user", "content": parts}], max_tokens=1)
     await chat(client, messages=[{"role": "user", "content": "x"}], max_tokens=1,
                add_generation_prompt=False)
-    prompts = [as_ints(a.prompt_token_ids).tolist() for a in engine.added]
+    prompts = [read_ints(a.prompt_token_ids) for a in engine.added]
     assert prompts[0] == template_ids([{"role": "system", "content": "Rules."},
                                        {"role": "user", "content": "a\nb"}])
     assert prompts[1] == template_ids([{"role": "user", "content": "x"}], False)
