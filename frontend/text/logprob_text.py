@@ -30,8 +30,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
+BYTE_TO_UNICODE: Mapping[int, str] = MappingProxyType(_bytes_to_unicode())
 UNICODE_TO_BYTE: Mapping[str, int] = MappingProxyType(
-    {ch: b for b, ch in _bytes_to_unicode().items()}
+    {ch: b for b, ch in BYTE_TO_UNICODE.items()}
 )
 
 

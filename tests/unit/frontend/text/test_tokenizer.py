@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import AutoTokenizer
 
 from engine_core.default_model import DEFAULT, TINY_QWEN2, TinySpec, write_tokenizer
+from frontend.text.logprob_text import BYTE_TO_UNICODE
 from frontend.text.tokenizer import FastTokenizer, load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -46,19 +47,7 @@ TEXTS = [
 ]
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (byte-level BPE vocabularies are spelled in it)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
-BYTE_CHARS = _bytes_to_unicode()
+BYTE_CHARS = BYTE_TO_UNICODE
 
 
 # --- fixtures --------------------------------------------------------------------------------
@@ -552,6 +541,7 @@ def _run_python(code: str, env: dict[str, str] | None = None) -> str:
 _NO_HEAVY_IMPORTS = """
 import sys
 import frontend.text.tokenizer, frontend.text.chat_template
+from frontend.text.logprob_text import BYTE_TO_UNICODE
 from frontend.text.tokenizer import FastTokenizer, load_tokenizer
 tok = load_tokenizer(NAME)
 assert isinstance(tok, FastTokenizer), type(tok)
