@@ -17,6 +17,8 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None => a default for the device
     num_kv_blocks: int | None = None  # exact block count; wins over kv_cache_memory
+    gpu_memory_utilization: float | None = None  # the engine's share of the GPU (vLLM's flag)
+    max_logprobs: int | None = None  # most logprobs a request may ask; None => MAX_LOGPROBS
     enable_prefix_caching: bool = True
     dtype: str = "auto"  # auto => float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto | cpu | cuda

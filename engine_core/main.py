@@ -8,7 +8,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from shared.engine_args import add_engine_args
+from shared.argv import ConfigFileError, normalize
+from shared.engine_args import add_engine_args, check_engine_args
 from shared.messages import Ready
 
 if TYPE_CHECKING:  # the engine's modules import torch: only once the arguments are parsed
@@ -30,7 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        argv = normalize(sys.argv[1:] if argv is None else argv, parser)
+    except ConfigFileError as exc:
+        parser.error(str(exc))
+    args = parser.parse_args(argv)
+    problem = check_engine_args(args)
+    if problem is not None:
+        parser.error(problem)
     log_format = f"%(asctime)s engine[{os.getpid()}] %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=args.log_level.upper(), format=log_format)
     from engine_core.config import EngineConfig
@@ -48,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             max_waiting_requests=args.max_waiting_requests,
             kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+            gpu_memory_utilization=args.gpu_memory_utilization, max_logprobs=args.max_logprobs,
             enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype, device=args.device,
             seed=args.seed, num_threads=args.num_threads, trust_remote_code=args.trust_remote_code)
         core = EngineCore(config)

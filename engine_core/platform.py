@@ -34,7 +34,8 @@ class Platform:
 
     device: torch.device
     dtype: torch.dtype
-    kv_cache_bytes: int | None  # None: a share of the device's free memory (`kv_cache_budget`)
+    kv_cache_bytes: int | None  # None: measured on the device (`kv_cache_budget`)
+    gpu_memory_utilization: float | None  # the engine's share of the whole GPU, if given
     max_num_batched_tokens: int  # tokens per step, at most
     min_num_batched_tokens: int | None  # floor of the queue-following budget; None: fixed
     head_workers: int  # threads sharing the LM head's vocabulary chunks
@@ -60,6 +61,7 @@ class Platform:
             device=device,
             dtype=resolve_dtype(config.dtype, device),
             kv_cache_bytes=kv_cache_bytes(config, device),
+            gpu_memory_utilization=config.gpu_memory_utilization,
             max_num_batched_tokens=budget,
             min_num_batched_tokens=floor,
             head_workers=head_workers(device, threads or torch.get_num_threads()),
@@ -78,8 +80,16 @@ class Platform:
         once the weights are loaded."""
         if self.kv_cache_bytes is not None:
             return self.kv_cache_bytes
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return int(free * CUDA_KV_FREE_SHARE)
+        free, total = torch.cuda.mem_get_info(self.device)
+        if self.gpu_memory_utilization is None:
+            return int(free * CUDA_KV_FREE_SHARE)
+        # vLLM's meaning: the engine holds at most this share of the whole GPU, so the cache
+        # gets what the share leaves once the weights (and anything else in use) are in.
+        budget = int(total * self.gpu_memory_utilization) - (total - free)
+        if budget <= 0:
+            raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization} leaves "
+                             "no memory for the KV cache once the model is loaded")
+        return budget
 
 
 def resolve_device(name: str) -> torch.device:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from shared.messages import MAX_LOGPROBS
+
 _ENGINE_FLAGS = (
     ("--served-model-name", {
         "default": None, "help": "model name the API answers to (default: MODEL)"}),
@@ -27,12 +29,18 @@ _ENGINE_FLAGS = (
                 "Retry-After"}),
     ("--block-size", {
         "type": int, "default": 16, "help": "tokens per KV-cache block"}),
-    ("--kv-cache-memory", {
+    (("--kv-cache-memory", "--kv-cache-memory-bytes"), {
         "type": int, "default": None,
-        "help": "KV cache size in bytes (default: 2 GiB on CPU, 80%% of free on CUDA)"}),
-    ("--num-kv-blocks", {
+        "help": "KV cache size in bytes (default: 2 GiB on CPU; on CUDA 80%% of the memory "
+                "free once the weights are in, or what --gpu-memory-utilization leaves)"}),
+    (("--num-kv-blocks", "--num-gpu-blocks-override"), {
         "type": int, "default": None,
         "help": "exact number of KV blocks (wins over --kv-cache-memory)"}),
+    ("--gpu-memory-utilization", {
+        "type": float, "default": None,
+        "help": "share of the GPU's whole memory the engine may hold (weights, activations, "
+                "KV cache), as vLLM defines it (default: the KV cache takes 80%% of what the "
+                "weights leave free)"}),
     ("--enable-prefix-caching", {
         "action": argparse.BooleanOptionalAction, "default": True,
         "help": "reuse KV blocks of shared prompt prefixes"}),
@@ -48,19 +56,50 @@ _ENGINE_FLAGS = (
         "help": "torch CPU threads of the engine (tandem serve: cores minus frontends)"}),
     ("--trust-remote-code", {
         "action": "store_true", "help": "allow model code from the model folder"}),
+    ("--tensor-parallel-size", {
+        "type": int, "default": 1, "help": "GPUs per model: only 1 (Tandem serves on one GPU)"}),
+    ("--max-logprobs", {
+        "type": int, "default": None,
+        "help": "most logprobs a request may ask for (default and most: 20)"}),
+    # vLLM flags accepted so its command lines start; each says what it does here.
+    ("--enable-chunked-prefill", {
+        "action": argparse.BooleanOptionalAction, "default": True,
+        "help": "no-op: prefills are always chunked under the step budget"}),
+    ("--enforce-eager", {
+        "action": "store_true", "help": "no-op: Tandem captures no CUDA graphs yet"}),
+    ("--disable-log-stats", {
+        "action": "store_true", "help": "no-op: the engine logs no periodic stats"}),
 )
+
+
+def _names(flags: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (flags,) if isinstance(flags, str) else flags
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    for flag, kwargs in _ENGINE_FLAGS:
-        group.add_argument(flag, **kwargs)  # type: ignore[arg-type]
+    for flags, kwargs in _ENGINE_FLAGS:
+        group.add_argument(*_names(flags), **kwargs)  # type: ignore[arg-type]
+
+
+def check_engine_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with engine flags that parse but cannot be served, or None."""
+    if args.tensor_parallel_size != 1:
+        return (f"--tensor-parallel-size {args.tensor_parallel_size}: Tandem serves a model on "
+                "one GPU; use 1")
+    if args.max_logprobs is not None and not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        return f"--max-logprobs {args.max_logprobs}: between 0 and {MAX_LOGPROBS}"
+    utilization = args.gpu_memory_utilization
+    if utilization is not None and not 0 < utilization <= 1:
+        return f"--gpu-memory-utilization {utilization}: a share in (0, 1]"
+    return None
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine flags of parsed `args`, as a command line for the engine process."""
     argv: list[str] = []
-    for flag, kwargs in _ENGINE_FLAGS:
+    for flags, kwargs in _ENGINE_FLAGS:
+        flag = _names(flags)[0]
         value = getattr(args, flag[2:].replace("-", "_"))
         if kwargs.get("action") == "store_true":
             argv += [flag] if value else []
