@@ -2,9 +2,12 @@
 
 `run_benchmark(config)` runs one workload against `config.target`; `run_comparison(config)`
 runs the very same workload (same prompts, same arrival times) against `config.target` (A) and
-`config.compare` (B), alternating A, B, A, B for `config.rounds` rounds after a warm-up. The
-package owns: workload.py (prompts, arrival times), client.py (one streamed request),
-metrics.py (the arithmetic), report.py (tables, result file), __main__.py (the CLI).
+`config.compare` (B), alternating A, B, A, B for `config.rounds` rounds after a warm-up;
+`sweep.run_sweep` repeats that over concurrencies or rates. The package owns: workload.py
+(exact-length prompts, arrival times), datasets.py (random, sharegpt, custom,
+prefix_repetition), client.py (one streamed request), metrics.py (the arithmetic), report.py
+(tables, the rich result file), vllm_result.py (vLLM's flat --save-result file), plots.py
+(PNGs), sweep.py, args.py (the flags) and __main__.py (the CLI).
 
 The tokenizer that builds the prompts is `config.tokenizer`, else whatever the server names at
 GET /tokenizer_info (best effort), else A's model id used as a folder or hub id.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -24,8 +28,9 @@ import aiohttp
 from tqdm import tqdm
 
 from frontend.bench.client import RequestOptions, fetch_model_id, fetch_tokenizer_hint, send_request
+from frontend.bench.datasets import DatasetConfig, sample_prompts
 from frontend.bench.metrics import RequestResult, Summary, summarize
-from frontend.bench.workload import Prompt, arrival_times, build_prompts, load_tokenizer
+from frontend.bench.workload import Prompt, RampUp, arrival_times, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -40,24 +45,36 @@ class Target:
 
 @dataclass(frozen=True)
 class BenchConfig:
+    """One benchmark run (vLLM's defaults where it has the flag)."""
+
     target: Target
     endpoint: str = "completions"  # "completions" | "chat"
-    num_prompts: int = 100
-    input_len: int = 1024
-    output_len: int = 128
+    num_prompts: int = 1000
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
     request_rate: float = math.inf  # requests/s; inf sends everything at once
     burstiness: float = 1.0  # gamma shape of the gaps; 1.0 is Poisson
+    ramp_up: RampUp | None = None  # a growing rate instead of request_rate
     max_concurrency: int | None = None  # None: unlimited
     seed: int = 0
     tokenizer: str | None = None
     logprobs: int | None = None
     echo: bool = False
+    ignore_eos: bool = False
+    extra_body: Mapping[str, Any] = field(default_factory=dict)  # added to every request
     goodput_slos_ms: Mapping[str, float] = field(default_factory=dict)  # e.g. {"ttft": 200}
+    percentiles: tuple[float, ...] = (99.0,)
     compare: Target | None = None
     rounds: int = 1
     warmup: int = 0  # requests sent (and not measured) to each target before the first round
     request_timeout_s: float = 3600.0
     disable_tqdm: bool = False
+
+
+class Round(NamedTuple):
+    """One pass of the workload against one target; request start times count from its start."""
+
+    requests: list[RequestResult]
+    duration_s: float
 
 
 @dataclass(frozen=True)
@@ -66,9 +83,16 @@ class BenchResult:
 
     target: Target
     model: str
-    requests: tuple[RequestResult, ...]
-    round_durations_s: tuple[float, ...]
+    rounds: tuple[Round, ...]
     summary: Summary
+
+    @property
+    def requests(self) -> tuple[RequestResult, ...]:
+        return tuple(r for one in self.rounds for r in one.requests)
+
+    @property
+    def round_durations_s(self) -> tuple[float, ...]:
+        return tuple(one.duration_s for one in self.rounds)
 
 
 class Comparison(NamedTuple):
@@ -79,11 +103,6 @@ class Comparison(NamedTuple):
 class Workload(NamedTuple):
     prompts: list[Prompt]
     arrivals: list[float]  # seconds from the start of a round
-
-
-class Round(NamedTuple):
-    requests: list[RequestResult]
-    duration_s: float
 
 
 async def run_benchmark(config: BenchConfig) -> BenchResult:
@@ -98,6 +117,11 @@ async def run_comparison(config: BenchConfig) -> Comparison:
         raise ValueError("run_comparison needs config.compare (the B server)")
     a, b = await run_targets(config, [config.target, config.compare])
     return Comparison(a, b)
+
+
+def all_targets(config: BenchConfig) -> list[Target]:
+    """A, then B when comparing."""
+    return [config.target] if config.compare is None else [config.target, config.compare]
 
 
 async def run_targets(config: BenchConfig, targets: Sequence[Target]) -> list[BenchResult]:
@@ -116,7 +140,7 @@ async def run_targets(config: BenchConfig, targets: Sequence[Target]) -> list[Be
                 desc = f"{target.label} round {number}/{config.rounds}"
                 done.append(await run_round(session, target, opts, workload, config, desc))
     return [
-        merge_rounds(target, opts.model, done, config.goodput_slos_ms)
+        merge_rounds(target, opts.model, done, config)
         for target, opts, done in zip(targets, options, rounds)
     ]
 
@@ -125,7 +149,14 @@ async def resolve_options(
     session: aiohttp.ClientSession, config: BenchConfig, target: Target
 ) -> RequestOptions:
     model = target.model or await fetch_model_id(session, target.base_url, target.api_key)
-    return RequestOptions(config.endpoint, model, config.output_len, config.logprobs, config.echo)
+    return RequestOptions(
+        endpoint=config.endpoint,
+        model=model,
+        logprobs=config.logprobs,
+        echo=config.echo,
+        ignore_eos=config.ignore_eos,
+        extra_body=config.extra_body,
+    )
 
 
 async def prepare_workload(
@@ -137,10 +168,10 @@ async def prepare_workload(
         name = hint or model
     tokenizer = await asyncio.to_thread(load_tokenizer, name)
     prompts = await asyncio.to_thread(
-        build_prompts, tokenizer, config.num_prompts, config.input_len, config.seed
+        sample_prompts, tokenizer, config.dataset, config.num_prompts, config.seed
     )
     arrivals = arrival_times(
-        config.num_prompts, config.request_rate, config.burstiness, config.seed
+        len(prompts), config.request_rate, config.burstiness, config.seed, config.ramp_up
     )
     return Workload(prompts, arrivals)
 
@@ -177,9 +208,10 @@ async def run_round(
     async def one(prompt: Prompt, at: float) -> RequestResult:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         async with limit:
+            sent = time.perf_counter() - start
             result = await send_request(session, target.base_url, options, prompt, target.api_key)
         bar.update()
-        return result
+        return dataclasses.replace(result, start=sent)
 
     try:
         results = await asyncio.gather(*map(one, workload.prompts, workload.arrivals))
@@ -189,13 +221,31 @@ async def run_round(
 
 
 def merge_rounds(
-    target: Target, model: str, rounds: Sequence[Round], slos_ms: Mapping[str, float]
+    target: Target, model: str, rounds: Sequence[Round], config: BenchConfig
 ) -> BenchResult:
-    """One result per target: the requests of all rounds over the sum of their durations."""
-    requests = tuple(r for one in rounds for r in one.requests)
-    durations = tuple(one.duration_s for one in rounds)
-    summary = summarize(requests, sum(durations), slos_ms or None)
-    return BenchResult(target, model, requests, durations, summary)
+    """One result per target: the requests of all rounds over the sum of their durations; the
+    peaks (tokens/s, concurrency) are the largest of any round."""
+    requests = [r for one in rounds for r in one.requests]
+    duration = sum(one.duration_s for one in rounds)
+    summary = summarize(requests, duration, config.goodput_slos_ms or None, config.percentiles)
+    peaks = [summarize(one.requests, one.duration_s) for one in rounds]
+    summary = dataclasses.replace(
+        summary,
+        max_output_tokens_per_s=max((p.max_output_tokens_per_s for p in peaks), default=0.0),
+        max_concurrent_requests=max((p.max_concurrent_requests for p in peaks), default=0),
+    )
+    return BenchResult(target, model, tuple(rounds), summary)
 
 
-__all__ = ["BenchConfig", "BenchResult", "Comparison", "Target", "run_benchmark", "run_comparison"]
+__all__ = [
+    "BenchConfig",
+    "BenchResult",
+    "Comparison",
+    "DatasetConfig",
+    "Round",
+    "Target",
+    "all_targets",
+    "run_benchmark",
+    "run_comparison",
+    "run_targets",
+]

@@ -1,112 +1,137 @@
 """The benchmark CLI (`tandem bench serve ...` runs `python -m frontend.bench serve ...`).
 
-    tandem bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 \\
-        --input-len 1024 --output-len 128 --request-rate 8 --goodput ttft:500 tpot:50
+    tandem bench serve --base-url http://127.0.0.1:8000 --dataset-name sharegpt \\
+        --dataset-path conversations.json --num-prompts 200 --request-rate 8 \\
+        --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \\
+        --save-result --plot plots/
 
 Exit status: 0 on success, 1 when every request to a target failed, 2 on a setup error
-(bad arguments, unreachable server, no tokenizer).
+(bad arguments, unreachable server, no tokenizer, an unreadable dataset).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
 
 import aiohttp
 
-from frontend.bench import BenchConfig, BenchResult, Target, run_benchmark, run_comparison
-from frontend.bench.metrics import parse_slos
-from frontend.bench.report import format_comparison, format_summary, write_result_file
+from frontend.bench import BenchConfig, BenchResult, all_targets, run_targets
+from frontend.bench.args import Outputs, build_parser, config_from_args, outputs_from_args
+from frontend.bench.plots import PlotContext, plot_run, plot_sweep
+from frontend.bench.report import (
+    format_comparison,
+    format_summary,
+    format_sweep,
+    write_result_file,
+)
+from frontend.bench.sweep import Sweep, SweepPoint, point_config, run_sweep
+from frontend.bench.vllm_result import DATE_FORMAT, result_path, save_vllm_result, vllm_result
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem bench", description="Tandem benchmarks.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser(
-        "serve",
-        help="load-test an OpenAI-compatible server",
-        description="Load-test an OpenAI-compatible server with streamed random-token prompts.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    add = serve.add_argument
-    add("--base-url", default="http://127.0.0.1:8000", help="server A (e.g. Tandem)")
-    add("--model", help="model name (default: the first id of GET /v1/models)")
-    add("--api-key", help="sent as 'Authorization: Bearer <key>'")
-    add("--endpoint", choices=("completions", "chat"), default="completions")
-    add("--num-prompts", type=int, default=100)
-    add("--input-len", type=int, default=1024, help="prompt tokens, without BOS")
-    add("--output-len", type=int, default=128, help="max_tokens, sent with ignore_eos")
-    add("--request-rate", type=float, default=float("inf"), help="requests/s; inf: all at once")
-    add("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1.0 is Poisson")
-    add("--max-concurrency", type=int, help="requests in flight at most (default: unlimited)")
-    add("--seed", type=int, default=0)
-    add(
-        "--tokenizer",
-        help="folder or hub id (default: what GET /tokenizer_info names, else the model id)",
-    )
-    add("--logprobs", type=int, help="ask for N top logprobs per token")
-    add("--echo", action="store_true", help="completions only; TTFT then times the echo")
-    add("--goodput", nargs="+", default=[], metavar="SLO", help="e.g. ttft:200 tpot:50 e2el:5000")
-    add("--compare", metavar="URL2", help="also run the same workload against server B")
-    add("--compare-model", help="B's model (default: the first id of B's GET /v1/models)")
-    add("--compare-api-key", help="B's API key")
-    add("--rounds", type=int, default=1, help="rounds per target, alternating A, B, A, B")
-    add("--warmup", type=int, help="unmeasured requests per target (default: 2 with --compare)")
-    add("--request-timeout", type=float, default=3600.0, help="seconds per request")
-    add("--result-file", help="write config, totals, statistics and per-request arrays as JSON")
-    add("--disable-tqdm", action="store_true")
-    return parser
-
-
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    """A BenchConfig from parsed arguments; ValueError with the reason when they conflict."""
-    if args.echo and args.endpoint == "chat":
-        raise ValueError("--echo works with --endpoint completions only")
-    for name in ("num_prompts", "input_len", "output_len", "rounds"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    compare = None
-    if args.compare:
-        compare = Target(args.compare, args.compare_model, args.compare_api_key, label="B")
-    warmup = args.warmup if args.warmup is not None else (2 if compare else 0)
-    return BenchConfig(
-        target=Target(args.base_url, args.model, args.api_key, label="A"),
-        endpoint=args.endpoint,
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        request_rate=args.request_rate,
-        burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency,
-        seed=args.seed,
-        tokenizer=args.tokenizer,
-        logprobs=args.logprobs,
-        echo=args.echo,
-        goodput_slos_ms=parse_slos(args.goodput),
-        compare=compare,
-        rounds=args.rounds,
-        warmup=warmup,
-        request_timeout_s=args.request_timeout,
-        disable_tqdm=args.disable_tqdm,
-    )
-
-
-async def serve(config: BenchConfig, result_file: str | None) -> int:
-    """Run, print the tables, write the result file; 1 when a target had no success."""
-    results: list[BenchResult]
-    if config.compare is None:
-        results = [await run_benchmark(config)]
+async def serve(config: BenchConfig, outputs: Outputs | None = None) -> int:
+    """Run (once, or each point of a sweep), print the tables, write the files; exit status 1
+    when a target had no successful request."""
+    outputs = outputs or Outputs()
+    date = datetime.now()
+    if outputs.sweep is None:
+        results = await run_targets(config, all_targets(config))
+        report_run(config, results, outputs, date)
+        runs = [results]
     else:
-        results = list(await run_comparison(config))
+        points = await run_sweep(
+            config, outputs.sweep, lambda point: report_point(config, outputs, date, point)
+        )
+        report_sweep(config, outputs.sweep, points, outputs, date)
+        runs = [point.results for point in points]
+    return 1 if any(r.summary.completed == 0 for run in runs for r in run) else 0
+
+
+def report_run(
+    config: BenchConfig,
+    results: Sequence[BenchResult],
+    outputs: Outputs,
+    date: datetime,
+    suffix: str = "",
+) -> None:
+    """Print one run's tables and write its files (`suffix` tells a sweep's points apart)."""
     for result in results:
-        print(format_summary(result))
+        print(format_summary(result, config, outputs.metrics))
     if len(results) == 2:
-        print(format_comparison(*results))
-    if result_file:
-        write_result_file(result_file, config, results)
-    return 1 if any(r.summary.completed == 0 for r in results) else 0
+        print(format_comparison(results[0], results[1], outputs.metrics))
+    if outputs.result_file:
+        write_result_file(suffixed(outputs.result_file, suffix), config, results)
+    if outputs.save is not None:
+        save_results(config, results, outputs, date, suffix)
+    if outputs.plot_dir:
+        ctx = plot_context(config, results, date)
+        for path in plot_run(results, ctx, Path(outputs.plot_dir), suffix):
+            print(f"picture: {path}")
+
+
+def save_results(
+    config: BenchConfig,
+    results: Sequence[BenchResult],
+    outputs: Outputs,
+    date: datetime,
+    suffix: str,
+) -> None:
+    """One vLLM-format file per server (named -A/-B when comparing)."""
+    assert outputs.save is not None
+    stamp = date.strftime(DATE_FORMAT)
+    for result in results:
+        server = f"-{result.target.label}" if len(results) > 1 else ""
+        path = result_path(config, result.model, stamp, outputs.save, server + suffix)
+        content = vllm_result(config, result, stamp, outputs.save.label, outputs.metrics)
+        print(f"vLLM result: {save_vllm_result(path, content)}")
+
+
+def report_point(
+    config: BenchConfig, outputs: Outputs, date: datetime, point: SweepPoint
+) -> None:
+    """Print and write one sweep point as soon as it is done."""
+    assert outputs.sweep is not None
+    index = outputs.sweep.values.index(point.value)
+    print(f"--- sweep point {index + 1}/{len(outputs.sweep.values)}: "
+          f"{outputs.sweep.label(point.value)} ---")
+    point_cfg = point_config(config, outputs.sweep, index)
+    report_run(point_cfg, point.results, outputs, date, sweep_suffix(outputs.sweep, point.value))
+
+
+def report_sweep(
+    config: BenchConfig,
+    sweep: Sweep,
+    points: Sequence[SweepPoint],
+    outputs: Outputs,
+    date: datetime,
+) -> None:
+    """The sweep's table, and its throughput-latency picture."""
+    print(format_sweep(sweep.kind, [(p.value, p.results) for p in points]))
+    if outputs.plot_dir and points:
+        ctx = plot_context(config, points[0].results, date)
+        print(f"picture: {plot_sweep(points, sweep, ctx, Path(outputs.plot_dir))}")
+
+
+def sweep_suffix(sweep: Sweep, value: float) -> str:
+    """"-c4" for a concurrency, "-r2.5" for a rate."""
+    return f"-c{int(value)}" if sweep.kind == "max-concurrency" else f"-r{value:g}"
+
+
+def suffixed(path: str, suffix: str) -> Path:
+    name = Path(path)
+    return name.with_name(name.stem + suffix + name.suffix) if suffix else name
+
+
+def plot_context(
+    config: BenchConfig, results: Sequence[BenchResult], date: datetime
+) -> PlotContext:
+    """Titles: the model(s), the workload and the date."""
+    models = " vs ".join(dict.fromkeys(r.model for r in results))
+    workload = f"{config.dataset.describe()}, {config.num_prompts} prompts, {config.endpoint}"
+    return PlotContext(models, workload, date.strftime("%Y-%m-%d %H:%M"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -114,10 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
+        outputs = outputs_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        return asyncio.run(serve(config, args.result_file))
+        return asyncio.run(serve(config, outputs))
     except (ValueError, aiohttp.ClientError, OSError) as exc:
         print(f"tandem bench: {exc}", file=sys.stderr)
         return 2

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -23,13 +24,15 @@ ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completion
 
 @dataclass(frozen=True)
 class RequestOptions:
-    """What every request of a run asks for; `model` is already resolved."""
+    """What every request of a run asks for; `model` is already resolved. Each prompt brings
+    its own max_tokens; `extra_body` fields (vLLM's --extra-body) go into every request."""
 
     endpoint: str  # "completions" | "chat"
     model: str
-    output_len: int
     logprobs: int | None = None
     echo: bool = False  # completions only
+    ignore_eos: bool = False
+    extra_body: Mapping[str, Any] = field(default_factory=dict)
 
 
 def normalize_base_url(base_url: str) -> str:
@@ -42,27 +45,32 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def build_payload(options: RequestOptions, prompt: str) -> dict[str, Any]:
-    """The JSON body of one request: streaming, usage on, EOS ignored so lengths are exact."""
-    payload: dict[str, Any] = {
-        "model": options.model,
-        "max_tokens": options.output_len,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if options.endpoint == "chat":
-        payload["messages"] = [{"role": "user", "content": prompt}]
-        if options.logprobs is not None:
-            payload["logprobs"] = True
-            payload["top_logprobs"] = options.logprobs
-        return payload
-    payload["prompt"] = prompt
-    if options.logprobs is not None:
-        payload["logprobs"] = options.logprobs
-    if options.echo:
-        payload["echo"] = True
+def build_payload(options: RequestOptions, prompt: Prompt) -> dict[str, Any]:
+    """The JSON body of one request: the prompt's max_tokens, the extra body on top, and
+    always streaming with usage (the timings and token counts depend on it)."""
+    payload: dict[str, Any] = {"model": options.model, "max_tokens": prompt.output_len}
+    if options.ignore_eos:
+        payload["ignore_eos"] = True
+    payload.update(api_fields(options, prompt.text))
+    payload.update(options.extra_body)
+    payload["stream"] = True
+    payload["stream_options"] = {"include_usage": True}
     return payload
+
+
+def api_fields(options: RequestOptions, prompt: str) -> dict[str, Any]:
+    """The prompt and logprob fields, as completions or chat spell them."""
+    if options.endpoint == "chat":
+        fields: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}]}
+        if options.logprobs is not None:
+            fields |= {"logprobs": True, "top_logprobs": options.logprobs}
+        return fields
+    fields = {"prompt": prompt}
+    if options.logprobs is not None:
+        fields["logprobs"] = options.logprobs
+    if options.echo:
+        fields["echo"] = True
+    return fields
 
 
 def chunk_text(chunk: dict[str, Any]) -> str:
@@ -134,7 +142,7 @@ async def send_request(
 ) -> RequestResult:
     """Send one streamed request and time it; never raises for HTTP or stream failures."""
     url = normalize_base_url(base_url) + ENDPOINT_PATHS[options.endpoint]
-    payload = build_payload(options, prompt.text)
+    payload = build_payload(options, prompt)
     state = StreamState()
     start = time.perf_counter()
     try:

@@ -11,6 +11,9 @@ Definitions (the client's view of the stream):
 - TPOT: (e2e latency - TTFT) / (output_tokens - 1); undefined for a single output token.
 - output_tokens: the server's usage.completion_tokens, or the number of text chunks without it.
 - E2E latency: from sending the request to the end of the stream.
+
+Statistics are vLLM's: mean, median, population standard deviation and the chosen
+percentiles (numpy's linear interpolation), in milliseconds.
 """
 
 from __future__ import annotations
@@ -18,10 +21,23 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
+
+class HasRequests(Protocol):
+    """A run's results and summary (a BenchResult) as the pure functions here read them."""
+
+    @property
+    def requests(self) -> Sequence[RequestResult]: ...
+
+    @property
+    def summary(self) -> Summary: ...
+
+
 SLO_METRICS = ("ttft", "tpot", "e2el")
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
 @dataclass(frozen=True)
@@ -39,15 +55,21 @@ class RequestResult:
     prompt_tokens: int | None = None  # the server's usage.prompt_tokens
     completion_tokens: int | None = None  # the server's usage.completion_tokens
     error: str = ""
+    start: float = 0.0  # when it was sent, seconds from the start of its round
 
 
 @dataclass(frozen=True)
 class Stats:
-    """Mean, median and 99th percentile of one metric, in milliseconds."""
+    """One metric's statistics in milliseconds; `percentiles` maps p (e.g. 99.0) to its value."""
 
     mean: float
     median: float
-    p99: float
+    std: float
+    percentiles: Mapping[float, float]
+
+    @property
+    def p99(self) -> float | None:
+        return self.percentiles.get(99.0)
 
 
 @dataclass(frozen=True)
@@ -68,6 +90,13 @@ class Summary:
     itl_ms: Stats | None
     e2el_ms: Stats | None
     errors: Mapping[str, int] = field(default_factory=dict)
+    max_output_tokens_per_s: float = 0.0  # the busiest whole second of a round
+    max_concurrent_requests: int = 0  # the most requests in flight at once
+
+    def stats(self, metric: str) -> Stats | None:
+        """The statistics of "ttft", "tpot", "itl" or "e2el"."""
+        value: Stats | None = getattr(self, f"{metric}_ms")
+        return value
 
 
 def ttft(result: RequestResult) -> float:
@@ -100,16 +129,71 @@ def tpot(result: RequestResult) -> float | None:
     return (result.latency - ttft(result)) / (tokens - 1)
 
 
-def stats_ms(values_s: Sequence[float]) -> Stats | None:
-    """Mean / median / p99 (numpy's linear interpolation) of seconds, in milliseconds."""
+def stats_ms(values_s: Sequence[float], percentiles: Sequence[float] = (99.0,)) -> Stats | None:
+    """Mean, median, std (population) and percentiles of seconds, in milliseconds."""
     if not values_s:
         return None
     ms = np.asarray(values_s, dtype=np.float64) * 1000.0
     return Stats(
         mean=float(ms.mean()),
         median=float(np.median(ms)),
-        p99=float(np.percentile(ms, 99)),
+        std=float(ms.std()),
+        percentiles={float(p): float(np.percentile(ms, p)) for p in percentiles},
     )
+
+
+def parse_percentiles(spec: str) -> tuple[float, ...]:
+    """Parse "50,90,99" (vLLM's --metric-percentiles) into (50.0, 90.0, 99.0)."""
+    try:
+        values = tuple(float(part) for part in spec.split(","))
+    except ValueError:
+        raise ValueError(f"--metric-percentiles {spec!r}: use numbers, e.g. 50,90,99") from None
+    if not all(0 <= p <= 100 for p in values):
+        raise ValueError(f"--metric-percentiles {spec!r}: each must be in [0, 100]")
+    return values
+
+
+def parse_metrics(spec: str) -> tuple[str, ...]:
+    """Parse "ttft,tpot,itl,e2el" (vLLM's --percentile-metrics)."""
+    names = tuple(name.strip() for name in spec.split(",") if name.strip())
+    unknown = [name for name in names if name not in LATENCY_METRICS]
+    if unknown or not names:
+        raise ValueError(
+            f"--percentile-metrics {spec!r}: use a comma-separated subset of "
+            + ",".join(LATENCY_METRICS)
+        )
+    return names
+
+
+def token_times(result: RequestResult) -> list[tuple[float, float]]:
+    """(time from the round's start, tokens) of each text chunk; a request's output tokens are
+    spread evenly over its chunks (a chunk may carry several)."""
+    if not result.text_times:
+        return []
+    share = output_tokens(result) / len(result.text_times)
+    return [(result.start + t, share) for t in result.text_times]
+
+
+def tokens_per_second(results: Sequence[RequestResult]) -> list[float]:
+    """Output tokens that arrived in each whole second from the round's start."""
+    times = [pair for r in results if r.success for pair in token_times(r)]
+    if not times:
+        return []
+    buckets = [0.0] * (int(max(t for t, _ in times)) + 1)
+    for t, tokens in times:
+        buckets[int(t)] += tokens
+    return buckets
+
+
+def peak_concurrency(results: Sequence[RequestResult]) -> int:
+    """The most successful requests in flight at once (an end before a start at a tie)."""
+    done = [r for r in results if r.success]
+    events = sorted([(r.start, 1) for r in done] + [(r.start + r.latency, -1) for r in done])
+    level = peak = 0
+    for _, step in events:
+        level += step
+        peak = max(peak, level)
+    return peak
 
 
 def meets_slos(result: RequestResult, slos_ms: Mapping[str, float]) -> bool:
@@ -139,9 +223,15 @@ def parse_slos(specs: Sequence[str]) -> dict[str, float]:
 
 
 def summarize(
-    results: Sequence[RequestResult], duration_s: float, slos_ms: Mapping[str, float] | None = None
+    results: Sequence[RequestResult],
+    duration_s: float,
+    slos_ms: Mapping[str, float] | None = None,
+    percentiles: Sequence[float] = (99.0,),
 ) -> Summary:
-    """Fold a run's results into totals and statistics; failed requests only count as failed."""
+    """Fold a run's results into totals and statistics; failed requests only count as failed.
+
+    The peaks (tokens/s, concurrency) assume the results come from one round (start times
+    count from one origin); `merge_rounds` takes the largest over rounds."""
     done = [r for r in results if r.success]
     prompt = sum(prompt_tokens(r) for r in done)
     output = sum(output_tokens(r) for r in done)
@@ -161,9 +251,33 @@ def summarize(
         output_throughput=output * per_second,
         total_token_throughput=(prompt + output) * per_second,
         goodput=None if good is None else good * per_second,
-        ttft_ms=stats_ms([ttft(r) for r in done]),
-        tpot_ms=stats_ms([t for r in done if (t := tpot(r)) is not None]),
-        itl_ms=stats_ms([gap for r in done for gap in itls(r)]),
-        e2el_ms=stats_ms([r.latency for r in done]),
+        ttft_ms=stats_ms([ttft(r) for r in done], percentiles),
+        tpot_ms=stats_ms([t for r in done if (t := tpot(r)) is not None], percentiles),
+        itl_ms=stats_ms([gap for r in done for gap in itls(r)], percentiles),
+        e2el_ms=stats_ms([r.latency for r in done], percentiles),
         errors=errors,
+        max_output_tokens_per_s=max(tokens_per_second(done), default=0.0),
+        max_concurrent_requests=peak_concurrency(done),
+    )
+
+
+class CurvePoint(NamedTuple):
+    """One run on a throughput-latency curve (latencies in ms, None when unmeasured)."""
+
+    output_throughput: float
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    tpot_p50_ms: float | None
+
+
+def curve_point(result: HasRequests) -> CurvePoint:
+    """A run's output tokens/s against its TTFT p50/p99 and TPOT p50."""
+    done = [r for r in result.requests if r.success]
+    ttfts = stats_ms([ttft(r) for r in done], (50.0, 99.0))
+    tpots = stats_ms([t for r in done if (t := tpot(r)) is not None], (50.0,))
+    return CurvePoint(
+        result.summary.output_throughput,
+        ttfts.percentiles[50.0] if ttfts else None,
+        ttfts.percentiles[99.0] if ttfts else None,
+        tpots.percentiles[50.0] if tpots else None,
     )

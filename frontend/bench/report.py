@@ -1,66 +1,106 @@
-"""Printing and saving benchmark results: one summary table per target, the A/B ratio table
-of a comparison, and the JSON result file (config, totals, statistics, per-request arrays)."""
+"""Printing and saving benchmark results: one summary table per target (laid out as vLLM's),
+the A/B ratio table of a comparison, a sweep's table, and Tandem's own JSON result file
+(config, totals, statistics, per-request arrays; vLLM's flat file is vllm_result.py's)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from frontend.bench.metrics import Stats, Summary, itls, output_tokens, tpot, ttft
+from frontend.bench.metrics import (
+    LATENCY_METRICS,
+    Stats,
+    Summary,
+    curve_point,
+    itls,
+    output_tokens,
+    tpot,
+    ttft,
+)
 
 if TYPE_CHECKING:
     from frontend.bench import BenchConfig, BenchResult
 
-WIDTH = 64
-LATENCIES = (
-    ("ttft_ms", "TTFT"),
-    ("tpot_ms", "TPOT"),
-    ("itl_ms", "ITL"),
-    ("e2el_ms", "E2E latency"),
-)
+WIDTH = 50  # vLLM's table width
+METRIC_TITLES = {
+    "ttft": ("TTFT", "Time to First Token"),
+    "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+    "itl": ("ITL", "Inter-token Latency"),
+    "e2el": ("E2EL", "End-to-end Latency"),
+}
 THROUGHPUTS = (
     ("request_throughput", "Request throughput (req/s)"),
+    ("goodput", "Request goodput (req/s)"),
     ("output_throughput", "Output token throughput (tok/s)"),
+    ("max_output_tokens_per_s", "Peak output token throughput (tok/s)"),
+    ("max_concurrent_requests", "Peak concurrent requests"),
     ("total_token_throughput", "Total token throughput (tok/s)"),
-    ("goodput", "Goodput (req/s)"),
 )
 
 
 def row(label: str, value: object) -> str:
+    """One line as vLLM prints it: the label in 40 columns, then the value."""
     text = f"{value:.2f}" if isinstance(value, float) else str(value)
-    return f"{label + ':':<44}{text:>20}"
+    return f"{label + ':':<40} {text:<10}"
 
 
-def format_summary(result: BenchResult) -> str:
-    """The table printed for one target."""
+def percentile_name(p: float) -> str:
+    """vLLM's spelling of a percentile: 99.0 -> "99", 99.9 -> "99.9"."""
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def format_summary(
+    result: BenchResult,
+    config: BenchConfig | None = None,
+    metrics: Sequence[str] = LATENCY_METRICS,
+) -> str:
+    """The table printed for one target, laid out as `vllm bench serve` prints its own."""
     s = result.summary
-    title = f" Benchmark result {result.target.label}: {result.target.base_url} "
+    title = f" Serving Benchmark Result {result.target.label} "
     lines = [
         f"{title:=^{WIDTH}}",
+        row("Server", result.target.base_url),
         row("Model", result.model),
         row("Successful requests", s.completed),
         row("Failed requests", s.failed),
+    ]
+    if config is not None and config.max_concurrency is not None:
+        lines.append(row("Maximum request concurrency", config.max_concurrency))
+    if config is not None and not math.isinf(config.request_rate):
+        lines.append(row("Request rate configured (RPS)", config.request_rate))
+    lines += [
         row("Benchmark duration (s)", s.duration_s),
-        row("Prompt tokens (server usage, incl. BOS)", s.prompt_tokens),
-        row("Output tokens", s.output_tokens),
+        row("Total input tokens", s.prompt_tokens),
+        row("Total generated tokens", s.output_tokens),
     ]
     for key, label in THROUGHPUTS:
         if getattr(s, key) is not None:  # goodput only with SLOs
             lines.append(row(label, getattr(s, key)))
-    lines.append(f"{' Latency (ms) ':-^{WIDTH}}")
-    lines.append(f"{'':<28}{'mean':>12}{'median':>12}{'p99':>12}")
-    for key, label in LATENCIES:
-        stats: Stats | None = getattr(s, key)
-        values = (stats.mean, stats.median, stats.p99) if stats else ("n/a",) * 3
-        lines.append(f"{label:<28}" + "".join(f"{fmt(v):>12}" for v in values))
+    for metric in metrics:
+        lines += metric_lines(metric, s.stats(metric))
     for message, count in sorted(s.errors.items(), key=lambda item: -item[1])[:5]:
-        lines.append(f"error x{count}: {message[: WIDTH * 2]}")
+        lines.append(f"error x{count}: {message[: WIDTH * 3]}")
     lines.append("=" * WIDTH)
     return "\n".join(lines)
+
+
+def metric_lines(metric: str, stats: Stats | None) -> list[str]:
+    """Mean, median, std and percentiles of one metric under its header."""
+    short, header = METRIC_TITLES[metric]
+    lines = [f"{header:-^{WIDTH}}"]
+    if stats is None:
+        return [*lines, row(f"{short} (ms)", "n/a")]
+    lines += [
+        row(f"Mean {short} (ms)", stats.mean),
+        row(f"Median {short} (ms)", stats.median),
+        row(f"Std {short} (ms)", stats.std),
+    ]
+    lines += [row(f"P{percentile_name(p)} {short} (ms)", v) for p, v in stats.percentiles.items()]
+    return lines
 
 
 def fmt(value: float | str | None) -> str:
@@ -69,43 +109,77 @@ def fmt(value: float | str | None) -> str:
     return f"{value:.2f}" if isinstance(value, float) else value
 
 
-def comparison_rows(a: Summary, b: Summary) -> list[tuple[str, float | None, float | None, str]]:
-    """(metric, A, B, better) for every throughput and latency metric of the two summaries."""
-    rows: list[tuple[str, float | None, float | None, str]] = [
-        (label, getattr(a, key), getattr(b, key), "higher")
+Comparable = tuple[str, float | None, float | None, str]
+
+
+def comparison_rows(a: Summary, b: Summary, metrics: Sequence[str]) -> list[Comparable]:
+    """(metric, A, B, better) for every throughput and chosen latency statistic."""
+    rows: list[Comparable] = [
+        (label, float(getattr(a, key)), float(getattr(b, key)), "higher")
         for key, label in THROUGHPUTS
-        if getattr(a, key) is not None
+        if getattr(a, key) is not None and getattr(b, key) is not None
     ]
-    for key, label in LATENCIES:
-        for part in ("mean", "median", "p99"):
-            name = f"{part.capitalize()} {label} (ms)"
-            rows.append((name, stat(getattr(a, key), part), stat(getattr(b, key), part), "lower"))
+    for metric in metrics:
+        short = METRIC_TITLES[metric][0]
+        stats_a, stats_b = a.stats(metric), b.stats(metric)
+        for name, pick in stat_pickers(stats_a or stats_b):
+            rows.append((f"{name} {short} (ms)", pick(stats_a), pick(stats_b), "lower"))
     return rows
 
 
-def stat(stats: Stats | None, part: str) -> float | None:
-    return getattr(stats, part) if stats else None
+Picker = Callable[[Stats | None], float | None]
+
+
+def stat_pickers(stats: Stats | None) -> list[tuple[str, Picker]]:
+    """How to read mean, median and each percentile from a Stats (None reads as None)."""
+    pickers: list[tuple[str, Picker]] = [
+        ("Mean", lambda st: st.mean if st else None),
+        ("Median", lambda st: st.median if st else None),
+    ]
+    for p in stats.percentiles if stats else ():
+        pickers.append((f"P{percentile_name(p)}", percentile_picker(p)))
+    return pickers
+
+
+def percentile_picker(p: float) -> Picker:
+    return lambda st: st.percentiles.get(p) if st else None
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def format_comparison(a: BenchResult, b: BenchResult) -> str:
+def format_comparison(
+    a: BenchResult, b: BenchResult, metrics: Sequence[str] = LATENCY_METRICS
+) -> str:
     """The A/B table: A/B > 1 is better for throughputs, A/B < 1 is better for latencies."""
+    width = 86
     lines = [
-        f"{' Comparison ':=^{WIDTH + 22}}",
+        f"{' Comparison ':=^{width}}",
         f"A = {a.target.base_url} ({a.model})",
         f"B = {b.target.base_url} ({b.model})",
         "A/B: above 1 means A is better where higher is better (throughput),",
         "     below 1 means A is better where lower is better (latency).",
-        f"{'Metric':<34}{'A':>12}{'B':>12}{'A/B':>10}{'better':>18}",
+        f"{'Metric':<38}{'A':>10}{'B':>10}{'A/B':>10}{'better':>18}",
     ]
-    for label, value_a, value_b, better in comparison_rows(a.summary, b.summary):
+    for label, value_a, value_b, better in comparison_rows(a.summary, b.summary, metrics):
         direction = f"{better} (A/B {'>' if better == 'higher' else '<'} 1)"
-        cells = f"{fmt(value_a):>12}{fmt(value_b):>12}{fmt(ratio(value_a, value_b)):>10}"
-        lines.append(f"{label:<34}{cells}{direction:>18}")
-    lines.append("=" * (WIDTH + 22))
+        cells = f"{fmt(value_a):>10}{fmt(value_b):>10}{fmt(ratio(value_a, value_b)):>10}"
+        lines.append(f"{label[:37]:<38}{cells}{direction:>18}")
+    lines.append("=" * width)
+    return "\n".join(lines)
+
+
+def format_sweep(kind: str, points: Sequence[tuple[float, Sequence[BenchResult]]]) -> str:
+    """One line per point and target: output tok/s, TTFT p50/p99 and TPOT p50 (ms)."""
+    names = ("out tok/s", "TTFT p50", "TTFT p99", "TPOT p50")
+    header = f"{kind:<16}{'server':<8}" + "".join(f"{name:>11}" for name in names)
+    lines = [f"{' Sweep ':=^{len(header)}}", header]
+    for value, results in points:
+        for result in results:
+            cells = "".join(f"{fmt(cell):>11}" for cell in curve_point(result))
+            lines.append(f"{value:<16g}{result.target.label:<8}{cells}")
+    lines.append("=" * len(header))
     return "\n".join(lines)
 
 
@@ -123,6 +197,7 @@ def target_json(result: BenchResult) -> dict[str, Any]:
         "target": jsonable(dataclasses.asdict(result.target)),
         "model": result.model,
         "round_durations_s": list(result.round_durations_s),
+        "round_sizes": [len(one.requests) for one in result.rounds],
         "summary": dataclasses.asdict(result.summary),
         "requests": {
             "success": [r.success for r in requests],
@@ -134,6 +209,7 @@ def target_json(result: BenchResult) -> dict[str, Any]:
             "tpot_s": [tpot(r) if r.success else None for r in requests],
             "itl_s": [itls(r) if r.success else [] for r in requests],
             "e2el_s": [r.latency for r in requests],
+            "start_s": [r.start for r in requests],
         },
     }
 

@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from engine_core.default_model import DEFAULT, write_tokenizer
-from frontend.bench import BenchConfig, Target, run_benchmark, run_comparison
+from frontend.bench import BenchConfig, DatasetConfig, Target, run_benchmark, run_comparison
 from frontend.bench.__main__ import main, serve
 from frontend.bench.client import RequestOptions, fetch_model_id, send_request
 from frontend.bench.metrics import itls, output_tokens, ttft
@@ -27,7 +27,7 @@ from frontend.bench.workload import Prompt
 
 DELAYS = (0.05, 0.03, 0.03)  # seconds before each text chunk
 SLACK = 0.1  # how late a chunk may arrive on a loaded machine
-PROMPT = Prompt("hello there", 2)
+PROMPT = Prompt("hello there", 2, 3)
 
 
 @dataclass
@@ -129,7 +129,7 @@ async def one(base_url: str, options: RequestOptions, api_key: str | None = None
         return await send_request(session, base_url, options, PROMPT, api_key)
 
 
-COMPLETIONS = RequestOptions("completions", "fake-model", output_len=3)
+COMPLETIONS = RequestOptions("completions", "fake-model")
 
 
 async def test_completions_stream_is_timed_per_chunk(start: Start) -> None:
@@ -148,7 +148,6 @@ async def test_completions_stream_is_timed_per_chunk(start: Start) -> None:
         "model": "fake-model",
         "prompt": "hello there",
         "max_tokens": 3,
-        "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -156,7 +155,7 @@ async def test_completions_stream_is_timed_per_chunk(start: Start) -> None:
 
 async def test_chat_sends_messages_and_reads_deltas(start: Start) -> None:
     fake = Fake()
-    options = RequestOptions("chat", "fake-model", output_len=3, logprobs=2)
+    options = RequestOptions("chat", "fake-model", logprobs=2)
     result = await one(await start(fake), options)
     assert result.success and len(result.text_times) == 3
     body = fake.seen[0]["body"]
@@ -169,6 +168,16 @@ async def test_completions_logprobs_and_echo_are_sent(start: Start) -> None:
     fake = Fake()
     await one(await start(fake), replace(COMPLETIONS, logprobs=3, echo=True))
     assert (fake.seen[0]["body"]["logprobs"], fake.seen[0]["body"]["echo"]) == (3, True)
+
+
+async def test_ignore_eos_and_extra_body_are_sent_but_streaming_stays(start: Start) -> None:
+    fake = Fake()
+    extra = {"temperature": 0.5, "seed": 7, "stream": False, "max_tokens": 9}
+    await one(await start(fake), replace(COMPLETIONS, ignore_eos=True, extra_body=extra))
+    body = fake.seen[0]["body"]
+    assert (body["ignore_eos"], body["temperature"], body["seed"]) == (True, 0.5, 7)
+    assert body["max_tokens"] == 9  # the extra body wins over the prompt's, as in vLLM
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
 
 
 @pytest.mark.parametrize(
@@ -211,7 +220,8 @@ async def test_model_discovery_error_says_what_to_do(start: Start) -> None:
 
 
 def config(base_url: str, **overrides: Any) -> BenchConfig:
-    defaults: dict[str, Any] = {"num_prompts": 8, "input_len": 16, "output_len": 3}
+    dataset = DatasetConfig(random_input_len=16, random_output_len=3)
+    defaults: dict[str, Any] = {"num_prompts": 8, "dataset": dataset}
     return BenchConfig(target=Target(base_url), disable_tqdm=True, **defaults | overrides)
 
 
@@ -256,7 +266,7 @@ async def test_comparison_alternates_with_the_same_prompts(
 
 async def test_serve_exits_1_when_every_request_failed(start: Start, tokenizer_dir: str) -> None:
     cfg = config(await start(Fake(status=500)), tokenizer=tokenizer_dir)
-    assert await serve(cfg, result_file=None) == 1
+    assert await serve(cfg) == 1
 
 
 def test_cli_rejects_echo_with_chat_and_reports_unreachable_servers(
