@@ -38,6 +38,7 @@ class TinySpec:
     max_position_embeddings: int = 2048
     initializer_range: float = 0.25
     seed: int = 0
+    tie_word_embeddings: bool = False
 
 
 DEFAULT = TinySpec(
@@ -61,6 +62,35 @@ TINY_QWEN2 = TinySpec(
     num_kv_heads=2,
     intermediate_size=128,
 )
+
+
+# Shaped like Qwen2.5-0.5B (the small models people serve), random weights at the usual
+# initializer scale: where a decoder's time goes, which the tiny models cannot show.
+QWEN2_05B_SHAPE = TinySpec(
+    name="tandem-qwen2.5-0.5b-shape",
+    tokenizer_source="deepseek-r1-distill-qwen-7b",
+    architecture="qwen2",
+    hidden_size=896,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    intermediate_size=4864,
+    max_position_embeddings=32768,
+    initializer_range=0.02,
+    tie_word_embeddings=True,
+)
+
+BUILTIN = {spec.name: spec for spec in (DEFAULT, TINY_QWEN2, QWEN2_05B_SHAPE)}
+
+
+def resolve_model(name: str | None) -> tuple[str, str | None]:
+    """(model folder or hub id, served name) for a MODEL argument: nothing for the default
+    model, a built-in model's name (built on first use), else the folder or hub id as given
+    (served under its own name)."""
+    spec = DEFAULT if name is None else BUILTIN.get(name)
+    if spec is None:
+        return str(name), None
+    return str(ensure_model(spec)), spec.name
 
 
 def cache_root(environ: Mapping[str, str] | None = None) -> Path:
@@ -162,7 +192,7 @@ def _write_model(spec: TinySpec, vocab_size: int, dest: Path) -> None:
         bos_token_id=bos_id,
         eos_token_id=eos_id,
         pad_token_id=eos_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.tie_word_embeddings,
     )
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

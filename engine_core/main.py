@@ -20,8 +20,9 @@ if TYPE_CHECKING:  # the engine's modules import torch: only once the arguments 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem engine", description=__doc__)
     parser.add_argument("model", nargs="?", default=None,
-                        help="local Hugging Face model folder or hub id "
-                             "(default: the embedded tiny Llama)")
+                        help="local Hugging Face model folder or hub id, or a built-in model: "
+                             "tandem-tiny-llama (the default), tandem-tiny-qwen2, "
+                             "tandem-qwen2.5-0.5b-shape (random weights, built on first use)")
     parser.add_argument("--listen", default="tcp://127.0.0.1:5570",
                         help="ZeroMQ address to bind, tcp://HOST:PORT or ipc://PATH")
     parser.add_argument("--log-level", default="info",
@@ -43,13 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     log_format = f"%(asctime)s engine[{os.getpid()}] %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=args.log_level.upper(), format=log_format)
     from engine_core.config import EngineConfig
-    from engine_core.default_model import DEFAULT, ensure_model
+    from engine_core.default_model import resolve_model
     from engine_core.engine import EngineCore
     from engine_core.process import serve
 
-    model = args.model or str(ensure_model())
-    # The embedded model answers to its own name, not to the folder it was built in.
-    served_name = args.served_model_name or (None if args.model else DEFAULT.name)
+    # A built-in model answers to its own name, not to the folder it was built in.
+    model, builtin_name = resolve_model(args.model)
+    served_name = args.served_model_name or builtin_name
     try:
         config = EngineConfig(
             model=model, served_model_name=served_name, tokenizer=args.tokenizer,

@@ -20,6 +20,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, G
 
 from engine_core.attention import build_metadata, paged_attention
 from engine_core.config import EngineConfig
+from engine_core.linear import transpose_linears
 from engine_core.lm_head import LMHead
 from engine_core.platform import Platform
 from engine_core.scheduler import SchedulerOutput
@@ -49,6 +50,8 @@ class ModelRunner:
             trust_remote_code=config.trust_remote_code)
         self.model = model.to(self.device).eval()
         self.decoder = self.model.get_decoder()
+        if platform.transposed_linears:
+            transpose_linears(self.decoder)
         text = _text_config(hf_config)
         lm_head = self.model.get_output_embeddings()
         self.head = LMHead(lm_head.weight, getattr(lm_head, "bias", None),
@@ -58,8 +61,10 @@ class ModelRunner:
         self.facts = _model_facts(config, text)
         self.block_size = config.block_size
         self.kv_caches = self._allocate_kv(config, text, platform.kv_cache_budget())
-        log.info("model %s on %s/%s, %d KV blocks of %d tokens, LM head on %s ops", config.model,
-                 self.device, self.dtype, self.num_blocks, self.block_size, self.head.backend)
+        log.info("model %s on %s/%s, %d KV blocks of %d tokens, LM head on %s ops, decoder "
+                 "linears %s", config.model, self.device, self.dtype, self.num_blocks,
+                 self.block_size, self.head.backend,
+                 "transposed" if platform.transposed_linears else "as torch has them")
 
     @property
     def num_blocks(self) -> int:

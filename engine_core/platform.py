@@ -18,6 +18,7 @@ import torch
 from engine_core import native
 from engine_core.config import EngineConfig
 from engine_core.default_model import cache_root
+from engine_core.linear import transposed_is_faster
 from engine_core.lm_head import HeadBackend
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class Platform:
     head_workers: int  # threads sharing the LM head's vocabulary chunks
     head_chunk: int | None  # vocabulary columns per LM-head task; None: the whole vocabulary
     torch_threads: int | None  # torch's intra-op threads; None: torch's own choice
+    transposed_linears: bool  # the decoder's linears as x @ W_t (linear.py), measured faster
     # The LM head's compiled CPU kernels, loaded once; None: torch ops do the head.
     head_kernels: native.Kernels | None = field(default=None, compare=False, repr=False)
 
@@ -52,14 +54,17 @@ class Platform:
     def detect(cls, config: EngineConfig, environ: Mapping[str, str] | None = None) -> Platform:
         """The platform for `config` on this machine. `environ` defaults to the process's
         environment: TANDEM_NATIVE=0 turns the compiled LM-head kernels off, CC names the
-        compiler that builds them, TANDEM_CACHE the folder they are built into."""
+        compiler that builds them, TANDEM_CACHE the folder they are built into;
+        TANDEM_LINEAR=transposed|torch fixes the decoder's linear layout instead of measuring
+        it."""
         env = os.environ if environ is None else environ
         device = resolve_device(config.device)
         threads = config.num_threads or None
         budget, floor = step_budget(config, device)
+        dtype = resolve_dtype(config.dtype, device)
         return cls(
             device=device,
-            dtype=resolve_dtype(config.dtype, device),
+            dtype=dtype,
             kv_cache_bytes=kv_cache_bytes(config, device),
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_num_batched_tokens=budget,
@@ -67,6 +72,7 @@ class Platform:
             head_workers=head_workers(device, threads or torch.get_num_threads()),
             head_chunk=CPU_HEAD_CHUNK if device.type == "cpu" else None,
             torch_threads=threads,
+            transposed_linears=_transposed_linears(device, dtype, threads, env),
             head_kernels=_head_kernels(device, env),
         )
 
@@ -131,6 +137,26 @@ def head_workers(device: torch.device, torch_threads: int) -> int:
     if device.type != "cpu" or torch_threads > 1:
         return 1
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _transposed_linears(device: torch.device, dtype: torch.dtype, threads: int | None,
+                        env: Mapping[str, str]) -> bool:
+    """On the CPU, whether the decoder's linears run faster transposed: as TANDEM_LINEAR says,
+    else measured once here with the engine's own thread count (linear.py)."""
+    if device.type != "cpu":
+        return False
+    choice = env.get("TANDEM_LINEAR", "")
+    if choice in ("transposed", "torch"):
+        return choice == "transposed"
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        faster = transposed_is_faster(dtype)
+    finally:
+        torch.set_num_threads(previous)
+    log.info("decoder linears: %s layout measured faster here",
+             "transposed [in, out]" if faster else "torch's [out, in]")
+    return faster
 
 
 def _head_kernels(device: torch.device, env: Mapping[str, str]) -> native.Kernels | None:

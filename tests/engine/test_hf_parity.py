@@ -165,3 +165,16 @@ def test_qwen2_parity(tiny_qwen2):
     results = submit_and_run(core, prompts, prompt_logprobs=True)
     assert_parity(results, prompts, ref)
     assert_drained(core)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "torch"])
+def test_parity_with_either_linear_layout(tiny_llama, tokenizer, reference, monkeypatch, layout):
+    """The platform measures which layout of the decoder's linears is faster here; both must
+    give HF's tokens and logprobs, whichever this machine picks."""
+    monkeypatch.setenv("TANDEM_LINEAR", layout)
+    core = engine(tiny_llama, num_kv_blocks=512, max_num_batched_tokens=32)
+    assert core.platform.transposed_linears == (layout == "transposed")
+    prompts = make_prompts(tokenizer, n=12)
+    results = submit_and_run(core, prompts, prompt_logprobs=True)
+    assert_parity(results, prompts, reference)
+    assert_drained(core)
