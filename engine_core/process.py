@@ -2,12 +2,14 @@
 
 Threads:
 - I/O thread: owns the ROUTER socket. Decodes frontend frames onto the input queue (answers
-  Hello and ping itself, so liveness does not wait for a long step), and sends the frames the
-  encoder thread hands it over an inproc socket. A frame that does not decode is logged and
-  dropped.
+  Hello and ping itself, so liveness does not wait for a long step; the ping answer carries the
+  busy loop's progress, so a stuck loop is still seen), and sends the frames the encoder thread
+  hands it over an inproc socket. A frame that does not decode, or that fails in any other way,
+  is logged and dropped: no input ends the thread.
 - encoder thread: output queue -> msgpack frames, off the busy loop.
 - main thread, the busy loop: 1. take new/aborted requests, 2. step the engine, 3. queue the
-  outputs per frontend. With nothing to do it blocks on the input queue; it never spins.
+  outputs per frontend, 4. now and then, abort the requests of frontends gone silent. With
+  nothing to do it waits on the input queue; it never spins.
 
 Frontends' latency reports (MetricsReport) are added up here and returned with "stats", so a
 scrape of any frontend shows the whole server (engine_core/metrics.py).
@@ -20,11 +22,13 @@ import os
 import queue
 import signal
 import threading
+import time
 
 import msgspec
 import zmq
 
 from engine_core.engine import EngineCore
+from engine_core.liveness import FrontendLiveness, LoopProgress
 from engine_core.metrics import HistogramTotals
 from shared.messages import (
     AbortRequest,
@@ -38,24 +42,32 @@ from shared.messages import (
     StopRequest,
     UtilityRequest,
     UtilityResult,
-    read_ints,
 )
 from shared.transport import InputCodec, OutputCodec, configure
 
 log = logging.getLogger(__name__)
 _OUT_ADDR = "inproc://tandem-engine-out"
+IDLE_POLL_S = 0.5  # how often an idle loop looks at the stop flag (it blocks on the queue)
+REAP_EVERY_S = 1.0  # how often the loop looks for frontends gone silent
 
 
 class EngineProcess:
-    def __init__(self, core: EngineCore, listen: str, ready: Ready) -> None:
+    def __init__(self, core: EngineCore, listen: str, ready: Ready,
+                 frontend_timeout_s: float = 5.0) -> None:
+        """`frontend_timeout_s`: a frontend that pinged and then stays silent this long is
+        gone, and its requests are aborted."""
         self.core = core
         self.listen = listen
         self.ready = ready
         self.ctx = zmq.Context()
         self.inputs: queue.Queue[tuple[bytes, EngineInput] | None] = queue.Queue()
         self.outputs: queue.Queue[tuple[bytes, EngineOutput]] = queue.Queue()
-        self.stopping = threading.Event()
+        # A plain flag, not an Event or a queue item: a signal handler may set it safely.
+        self.stop_requested = False
         self.histograms = HistogramTotals()
+        self.progress = LoopProgress()
+        self.frontends = FrontendLiveness(frontend_timeout_s)
+        self._next_reap = time.monotonic() + REAP_EVERY_S
         self.router = self.ctx.socket(zmq.ROUTER)
         configure(self.router)
         self.router.bind(listen)
@@ -66,32 +78,50 @@ class EngineProcess:
         threading.Thread(target=self._io_loop, name="engine-io", daemon=True).start()
         threading.Thread(target=self._encode_loop, name="engine-encode", daemon=True).start()
         log.info("engine listening on %s", self.listen)
-        while not self.stopping.is_set():
+        while not self.stop_requested:
             self._take_inputs(block=not self.core.has_work)
             if self.core.has_work:
-                for owner, out in self.core.step().items():
-                    self.outputs.put((owner, out))
+                self._step()
+            self._reap_lost_frontends()
 
     def stop(self) -> None:
-        self.stopping.set()
-        self.inputs.put(None)
+        """Ask the loop to end (safe from a signal handler: it only sets a flag)."""
+        self.stop_requested = True
 
     # -- busy-loop side ---------------------------------------------------------------------
-    def _take_inputs(self, block: bool) -> None:
+    def _step(self) -> None:
+        self.progress.step_started()
         try:
-            item = self.inputs.get(block=block)
-            while True:
-                if item is None:
-                    return
-                self._handle(*item)
+            outputs = self.core.step()
+        except Exception:  # EngineCore.step fails its own requests; this is the last resort
+            log.exception("an engine step failed outside the step's own error handling")
+            self.core.counts.step_errors += 1
+            outputs = {}
+        self.progress.step_finished()
+        for owner, out in outputs.items():
+            self.outputs.put((owner, out))
+
+    def _take_inputs(self, block: bool) -> None:
+        if block:
+            self.progress.waiting()
+        try:
+            item = self.inputs.get(block=block, timeout=IDLE_POLL_S if block else None)
+            self.progress.took_input()
+            while item is not None:
+                self._handle_safely(*item)
                 item = self.inputs.get_nowait()
         except queue.Empty:
             pass
 
+    def _handle_safely(self, owner: bytes, msg: EngineInput) -> None:
+        try:
+            self._handle(owner, msg)
+        except Exception:  # a message the checks missed must not end the loop
+            log.exception("failed to handle a %s from %r", type(msg).__name__, owner)
+
     def _handle(self, owner: bytes, msg: EngineInput) -> None:
         if isinstance(msg, AddRequest):
-            self.core.add_request(msg.request_id, read_ints(msg.prompt_token_ids),
-                                  msg.params, owner)
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params, owner)
         elif isinstance(msg, AbortRequest):
             self.core.abort(msg.request_ids)
         elif isinstance(msg, StopRequest):
@@ -106,7 +136,25 @@ class EngineProcess:
             stats = self.core.stats()
             stats.histograms = self.histograms.snapshot()
             return UtilityResult(msg.call_id, stats)
+        if msg.method == "reset_prefix_cache":
+            self.core.blocks.reset_prefix_cache()
+            return UtilityResult(msg.call_id)
         return UtilityResult(msg.call_id, error=f"unknown utility method {msg.method!r}")
+
+    def _reap_lost_frontends(self) -> None:
+        """Abort the requests of frontends gone silent: nobody is left to read them."""
+        now = time.monotonic()
+        if now < self._next_reap:
+            return
+        self._next_reap = now + REAP_EVERY_S
+        lost = set(self.frontends.lost())
+        if not lost:
+            return
+        orphans = [rid for rid, req in self.core.scheduler.requests.items() if req.owner in lost]
+        log.warning("%d frontend(s) silent for %.0f s: aborting their %d request(s)",
+                    len(lost), self.frontends.timeout_s, len(orphans))
+        self.core.counts.frontends_lost += len(lost)
+        self.core.abort(orphans)
 
     # -- I/O side ---------------------------------------------------------------------------
     def _io_loop(self) -> None:
@@ -121,19 +169,28 @@ class EngineProcess:
                     self.router.send_multipart(self.out_pull.recv_multipart(copy=False), copy=False)
                     continue
                 frames = self.router.recv_multipart(copy=False)
-                owner = frames[0].bytes
                 try:
-                    msg = codec.decode(frames[-1].buffer)
-                except msgspec.DecodeError as e:
-                    log.warning("dropped a frame from %r that does not decode: %s", owner, e)
-                    continue
-                if isinstance(msg, Hello):
-                    self.router.send_multipart([owner, out_codec.encode(self.ready)])
-                elif isinstance(msg, UtilityRequest) and msg.method == "ping":
-                    pong = out_codec.encode(UtilityResult(msg.call_id))
-                    self.router.send_multipart([owner, pong])
-                else:
-                    self.inputs.put((owner, msg))
+                    self._on_frame(frames, codec, out_codec)
+                except Exception:  # whatever a frame holds, the socket keeps being served
+                    log.exception("dropped a frame that failed on the I/O thread")
+
+    def _on_frame(self, frames: list[zmq.Frame], codec: InputCodec,
+                  out_codec: OutputCodec) -> None:
+        owner = frames[0].bytes
+        try:
+            msg = codec.decode(frames[-1].buffer)
+        except msgspec.DecodeError as e:
+            log.warning("dropped a frame from %r that does not decode: %s", owner, e)
+            return
+        ping = isinstance(msg, UtilityRequest) and msg.method == "ping"
+        self.frontends.heard(owner, ping)
+        if isinstance(msg, Hello):
+            self.router.send_multipart([owner, out_codec.encode(self.ready)])
+        elif isinstance(msg, UtilityRequest) and ping:
+            pong = UtilityResult(msg.call_id, progress=self.progress.snapshot())
+            self.router.send_multipart([owner, out_codec.encode(pong)])
+        else:
+            self.inputs.put((owner, msg))
 
     def _encode_loop(self) -> None:
         codec = OutputCodec()
@@ -142,7 +199,12 @@ class EngineProcess:
         push.connect(_OUT_ADDR)
         while True:
             owner, msg = self.outputs.get()
-            push.send_multipart([owner, codec.encode(msg)], copy=False)
+            try:
+                frame = codec.encode(msg)
+            except Exception:  # e.g. a value msgpack cannot hold: lose one message, not all
+                log.exception("failed to encode a %s for %r", type(msg).__name__, owner)
+                continue
+            push.send_multipart([owner, frame], copy=False)
 
 
 def serve(core: EngineCore, listen: str, ready: Ready) -> None:

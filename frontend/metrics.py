@@ -67,6 +67,11 @@ class _StatsCollector:
         yield self._by_label("tandem:requests_rejected", "Requests the engine refused: "
                              "'overloaded' (queue full, answered 503) or 'error' (invalid).",
                              "reason", {r: stats.rejected.get(r, 0) for r in REJECTED})
+        yield self._counter("tandem:engine_step_errors", "Engine steps that raised; their "
+                            "requests finished with an error and the engine kept serving.",
+                            stats.step_errors)
+        yield self._counter("tandem:frontends_lost", "Frontends that went silent; the engine "
+                            "aborted their requests.", stats.frontends_lost)
         yield self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
                             "cache.", stats.prefix_queries)
         yield self._counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",

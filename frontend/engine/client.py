@@ -5,6 +5,11 @@ task decodes every engine frame and routes StepOutputs rows into per-request `Ou
 a heartbeat task pings the engine every `heartbeat_interval` and, when nothing at all has been
 heard for `silence_timeout`, marks the engine unhealthy and fails every in-flight request with
 `EngineDeadError` (the HTTP layer answers 503). Hearing from the engine again marks it healthy.
+
+A socket that answers is not enough: the engine's I/O thread answers pings, not the loop that
+does the work. Each ping answer carries the busy loop's progress, and an engine that has work
+and has finished no step within the stall bound (`shared.transport.stall_bound`: five times its
+slowest step, at least `stall_timeout`) counts as dead too, until a step finishes again.
 """
 
 from __future__ import annotations
@@ -23,7 +28,14 @@ from frontend.engine.stream import OutputStream, StepItem
 from shared import messages as wire
 from shared.messages import FinishReason
 from shared.step_outputs import unpack_step
-from shared.transport import InputCodec, OutputCodec, configure, new_identity
+from shared.transport import (
+    DEFAULT_STALL_FLOOR_S,
+    InputCodec,
+    OutputCodec,
+    configure,
+    is_stalled,
+    new_identity,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +67,16 @@ class EngineClient:
         handshake_timeout: float = 30.0,
         heartbeat_interval: float = 0.25,
         silence_timeout: float = 1.25,
+        stall_timeout: float = DEFAULT_STALL_FLOOR_S,
     ) -> None:
+        """`stall_timeout`: the least time a busy engine may go without finishing a step."""
         self.address = address
         self.identity = new_identity()
         self._handshake_timeout = handshake_timeout
         self._heartbeat_interval = heartbeat_interval
         self._silence_timeout = silence_timeout
+        self._stall_timeout = stall_timeout
+        self._stalled = False  # the engine answers but its loop makes no progress
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._in = InputCodec()
@@ -70,6 +86,7 @@ class EngineClient:
         self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self._unanswered_since: float | None = None
+        self._unanswered_ticks = 0  # heartbeat ticks, on time, since then
         self._healthy = False
         self._ready: wire.Ready | None = None
         self.latency = LatencyRecorder(self._send)  # TTFT/ITL/e2e, reported to the engine
@@ -83,7 +100,7 @@ class EngineClient:
 
     @property
     def healthy(self) -> bool:
-        """True while the engine answers within `silence_timeout`."""
+        """True while the engine answers within `silence_timeout` and its loop makes progress."""
         return self._healthy
 
     @property
@@ -229,6 +246,8 @@ class EngineClient:
                                      fin.message if fin else None))
 
     def _resolve_call(self, result: wire.UtilityResult) -> None:
+        if result.progress is not None:
+            self._judge_progress(result.progress)
         future = self._calls.get(result.call_id)
         if future is None or future.done():
             return
@@ -237,9 +256,22 @@ class EngineClient:
         else:
             future.set_result(result)
 
+    def _judge_progress(self, progress: wire.StepProgress) -> None:
+        """A ping answer says how the engine's busy loop fares: stuck is as good as dead."""
+        stalled = is_stalled(progress, self._stall_timeout)
+        if stalled and not self._stalled:
+            self._stalled = True
+            self._mark_dead(f"the engine's step loop has finished no step for "
+                            f"{progress.since_step_s:.1f} s while it has work")
+        elif self._stalled and not stalled:
+            logger.warning("the engine at %s finishes steps again", self.address)
+            self._stalled = False
+            self._heard()
+
     def _heard(self) -> None:
         self._unanswered_since = None
-        if not self._healthy:
+        self._unanswered_ticks = 0
+        if not self._healthy and not self._stalled:
             if self._tasks:
                 logger.warning("the engine at %s is answering again", self.address)
             self._healthy = True
@@ -247,29 +279,47 @@ class EngineClient:
     async def _heartbeat(self) -> None:
         """Ping every interval; dead when a ping stays unanswered for `silence_timeout`.
 
-        Silence is counted from the first unanswered ping, not from the last message: if this
-        process stalls (a long GIL-holding call), it sent no pings, so the engine owed nothing.
-        An answer already waiting in the socket counts as heard.
+        Silence is what the engine owes, not what this process failed to read. It is counted
+        from the first unanswered ping, and only in ticks that ran on time: a tick that wakes
+        late means this process's own loop was blocked or backlogged, and the engine's answer
+        may be waiting unread. Before judging, the tick yields once, so an answer the socket
+        has already handed to the routing task (but that task has not run yet) is heard first;
+        an answer still waiting in the socket counts as heard too.
         """
         loop = asyncio.get_running_loop()
+        interval = self._heartbeat_interval
+        last = loop.time()
         while True:
-            await asyncio.sleep(self._heartbeat_interval)
+            await asyncio.sleep(interval)
             now = loop.time()
-            waited = 0.0 if self._unanswered_since is None else now - self._unanswered_since
-            readable = cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN
-            if self._healthy and waited > self._silence_timeout and not readable:
-                self._mark_dead(waited)
+            on_time, last = now - last <= 2 * interval, now
+            if self._unanswered_since is not None and on_time:
+                self._unanswered_ticks += 1
+            if self._healthy and self._silent_for(now) > self._silence_timeout:
+                await asyncio.sleep(0)  # let a routed answer reach _heard() first
+                silent = self._silent_for(loop.time())
+                if silent > self._silence_timeout and not self._readable():
+                    self._mark_dead(f"the engine stopped answering (no reply for {silent:.1f} s)")
             if self._unanswered_since is None:
                 self._unanswered_since = now
             self._send(wire.UtilityRequest(next(self._call_ids), "ping"))
 
-    def _mark_dead(self, silent: float) -> None:
-        logger.error("the engine at %s has not answered for %.1f s", self.address, silent)
+    def _silent_for(self, now: float) -> float:
+        """Seconds of silence the engine owes: wall time since the first unanswered ping, but
+        no more than the on-time ticks since then account for."""
+        if self._unanswered_since is None:
+            return 0.0
+        return min(now - self._unanswered_since,
+                   self._unanswered_ticks * self._heartbeat_interval)
+
+    def _readable(self) -> bool:
+        return bool(cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+    def _mark_dead(self, why: str) -> None:
+        logger.error("the engine at %s is unavailable: %s", self.address, why)
         self._healthy = False
         ids = list(self._requests)
-        self._fail_all(
-            EngineDeadError(f"the engine stopped answering (no reply for {silent:.1f} s)")
-        )
+        self._fail_all(EngineDeadError(why))
         if ids:  # in case it is only slow: do not leave work running there
             self._send(wire.AbortRequest(ids))
 
