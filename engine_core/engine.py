@@ -25,6 +25,8 @@ from engine_core.request import Request
 from engine_core.sampler import Sampler, SamplerOutput
 from engine_core.scheduler import Scheduled, Scheduler, SchedulerOutput
 from engine_core.stop_rules import Stop, StopRules
+from engine_core.structured import GrammarCompiler
+from engine_core.validation import params_error, prompt_ids
 from shared.messages import (
     MAX_LOGPROBS,
     EngineStats,
@@ -35,6 +37,8 @@ from shared.messages import (
 from shared.step_outputs import Logprobs
 
 log = logging.getLogger(__name__)
+
+_GRAMMAR_WAIT_S = 0.005  # an idle step's wait for a compiling grammar: short, new input may come
 
 
 class _Refusal(NamedTuple):
@@ -56,10 +60,12 @@ class EngineCore:
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
                                    config.enable_prefix_caching)
         stop_rules = StopRules(frozenset(self.facts.eos_token_ids), self.max_model_len)
+        self.grammars = GrammarCompiler(config.tokenizer or config.model, self.facts.vocab_size,
+                                        self.facts.eos_token_ids, config.trust_remote_code)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs,
                                    self.platform.max_num_batched_tokens,
                                    min_num_batched_tokens=self.platform.min_num_batched_tokens,
-                                   stop_rules=stop_rules)
+                                   stop_rules=stop_rules, grammars=self.grammars)
         self.sampler = Sampler(self.facts.eos_token_ids, config.seed)
         self.prompt_logprobs = PromptLogprobsAccumulator()
         self._refused: list[_Refusal] = []
@@ -67,9 +73,13 @@ class EngineCore:
         self.counts = EngineStats()  # the engine's own counters; stats() adds the rest
 
     # -- requests in ------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    owner: bytes = b"") -> None:
-        error = self._admission_error(request_id, prompt_token_ids, params)
+    def add_request(self, request_id: str, prompt_token_ids: list[int] | bytes,
+                    params: SamplingParams, owner: bytes = b"") -> None:
+        """Queue a request, or refuse it with an error row on the next step: wire input is
+        checked here (engine_core/validation.py), never trusted. `prompt_token_ids` may be
+        the int32 wire buffer itself."""
+        prompt, error = prompt_ids(prompt_token_ids, self.facts.vocab_size)
+        error = error or self._admission_error(request_id, prompt, params)
         reason = FinishReason.ERROR
         waiting = len(self.scheduler.waiting)
         if error is None and waiting >= self.config.max_waiting_requests:
@@ -82,21 +92,16 @@ class EngineCore:
             self.counts.rejected[reason] = self.counts.rejected.get(reason, 0) + 1
             self._refused.append(_Refusal(request_id, owner, reason, error))
             return
-        self.scheduler.add(Request(request_id, prompt_token_ids, params, owner,
-                                   next(self._arrivals)))
+        self.scheduler.add(Request(request_id, prompt, params, owner, next(self._arrivals)))
 
     def _admission_error(self, request_id: str, prompt: list[int],
                          params: SamplingParams) -> str | None:
         if request_id in self.scheduler.requests:
             return f"request id {request_id!r} is already running"
-        if not prompt:
-            return "the prompt is empty"
-        if any(t < 0 or t >= self.facts.vocab_size for t in prompt):
-            return f"prompt token ids must be in [0, {self.facts.vocab_size})"
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and not 0 <= k <= MAX_LOGPROBS:
-                return f"{name} must be between 0 and {MAX_LOGPROBS}"
+        bad_params = params_error(params, self.facts.vocab_size,
+                                  self.config.max_logprobs or MAX_LOGPROBS)
+        if bad_params is not None:
+            return bad_params
         need = len(prompt) + (1 if params.max_tokens > 0 else 0)
         if need > self.max_model_len:
             return (f"the prompt has {len(prompt)} tokens; this model's maximum context length "
@@ -122,12 +127,23 @@ class EngineCore:
     def step(self) -> dict[bytes, StepOutputs]:
         """Run one step; return the news for each frontend (by owner identity)."""
         self.counts.steps += 1
-        news = self._take_refusals()
-        sched = self.scheduler.schedule()
-        for req in sched.preempted:  # its prompt is computed, and scored, again
-            self.prompt_logprobs.drop(req.request_id)
-        if sched.scheduled:
-            self._execute(sched, news)
+        refused, self._refused = self._refused, []
+        sched: SchedulerOutput | None = None
+        try:
+            news = StepNews()
+            sched = self.scheduler.schedule()
+            for req in sched.preempted:  # its prompt is computed, and scored, again
+                self.prompt_logprobs.drop(req.request_id)
+            if sched.scheduled:
+                self._execute(sched, news)
+        except Exception as exc:  # one bad step must not end the engine
+            # Fail only what this step ran (everything, if scheduling itself failed): the
+            # requests that caused it are gone, and the others keep running.
+            victims = ([s.request for s in sched.scheduled] if sched is not None
+                       else list(self.scheduler.requests.values()))
+            news = self._fail_step(victims, exc)
+        _add_refusals(news, refused)
+        self._structured_news(news, idle=sched is None or not sched.scheduled)
         outputs = news.pack()
         self.counts.output_messages += len(outputs)
         self.counts.output_rows += len(news)
@@ -150,11 +166,29 @@ class EngineCore:
             return SamplerOutput(np.zeros(0, np.int64), np.zeros(0, np.int64), None)
         return self.sampler(self.runner.head, hidden, samplers)
 
-    def _take_refusals(self) -> StepNews:
+    def _structured_news(self, news: StepNews, idle: bool) -> None:
+        """Refuse the requests whose grammar failed to compile (the compiler says why); with
+        nothing run this step, wait briefly for a grammar being compiled instead of spinning."""
+        for req, message in self.scheduler.take_refused():
+            self.counts.rejected[FinishReason.ERROR] = (
+                self.counts.rejected.get(FinishReason.ERROR, 0) + 1)
+            news.add_finish(req.request_id, req.owner, FinishReason.ERROR, message=message)
+        if idle:
+            self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
+
+    def _fail_step(self, victims: list[Request], exc: Exception) -> StepNews:
+        """A step raised: finish its requests with an error row each, count it, carry on."""
+        self.counts.step_errors += 1
+        log.exception("step %d failed; %d request(s) finished with an error",
+                      self.counts.steps, len(victims))
+        message = (f"the engine failed while running this request ({type(exc).__name__}); "
+                   "see the engine log")
+        ids = [req.request_id for req in victims]
+        self.scheduler.finish_requests(ids, FinishReason.ERROR)
         news = StepNews()
-        for r in self._refused:
-            news.add_finish(r.request_id, r.owner, r.reason, message=r.message)
-        self._refused = []
+        for req in victims:
+            self.prompt_logprobs.drop(req.request_id)
+            news.add_finish(req.request_id, req.owner, FinishReason.ERROR, message=message)
         return news
 
     # -- introspection ----------------------------------------------------------------------
@@ -205,6 +239,11 @@ def _plan_rows(scheduled: list[Scheduled]) -> _RowPlan:
         offset += s.num_new
     keep = np.asarray(prompt_keep + sample_keep, dtype=np.int64)
     return _RowPlan(keep, prompt_rows, len(prompt_keep))
+
+
+def _add_refusals(news: StepNews, refused: list[_Refusal]) -> None:
+    for r in refused:
+        news.add_finish(r.request_id, r.owner, r.reason, message=r.message)
 
 
 def _add_sampled(news: StepNews, samplers: list[Request], sampled: SamplerOutput,

@@ -6,6 +6,7 @@ import enum
 
 import torch
 
+from engine_core.structured import RequestGrammar
 from shared.messages import SamplingParams
 
 
@@ -36,6 +37,7 @@ class Request:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+        self.grammar: RequestGrammar | None = None  # set by the scheduler when constrained
 
     @property
     def num_prompt_tokens(self) -> int:

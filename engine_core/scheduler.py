@@ -8,10 +8,17 @@ back to the front of the queue, to be recomputed (prompt + outputs so far) later
 
 After the step ran, `update_from_output` records its progress: computed tokens, blocks for the
 prefix cache, sampled tokens, the stop rules (stop_rules.py), and finishes requests.
+
+Constrained requests (structured outputs): `add` starts compiling the request's grammar
+(engine_core/structured.py, on a worker thread); the request waits, and others pass it, until
+the grammar is ready. A grammar that fails refuses its request (`take_refused`). The sampler
+advances the request's matcher with each token; a request whose grammar ended stops ("stop")
+whatever its stop tokens say.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,7 +28,10 @@ import numpy as np
 from engine_core.block_manager import BlockManager, chain_hashes
 from engine_core.request import Request, Status
 from engine_core.stop_rules import Stop, StopRules
+from engine_core.structured import GrammarCompiler
 from shared.messages import FinishReason
+
+log = logging.getLogger(__name__)
 
 PROMPT_LOGPROB_ROWS = 256  # default budget of prompt positions scored per step (see Scheduler)
 
@@ -72,17 +82,22 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_prompt_logprob_rows: int | None = None,
-                 min_num_batched_tokens: int | None = None, *, stop_rules: StopRules) -> None:
+                 min_num_batched_tokens: int | None = None, *, stop_rules: StopRules,
+                 grammars: GrammarCompiler | None = None) -> None:
         """With `min_num_batched_tokens` the step budget adapts: a quarter of the prompt tokens
         waiting to be computed, between that floor and `max_num_batched_tokens`. A burst of
         prompts is then cleared in about four steps (its median request has its first token
         after about two), while a trickle of arrivals gets small, quick steps. `stop_rules`
-        decide when a request that sampled a token is done."""
+        decide when a request that sampled a token is done; `grammars` compiles the constraints
+        of structured outputs (without it, a constrained request is refused)."""
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.min_num_batched_tokens = min_num_batched_tokens
         self.stop_rules = stop_rules
+        self.grammars = grammars
+        self.compiling: list[Request] = []  # waiting requests whose grammar is not ready yet
+        self.refused: list[tuple[Request, str]] = []  # taken by take_refused(), with the reason
         # Prompt positions that need logprobs each cost a full-vocabulary LM-head row (orders
         # of magnitude more than a decoder row on a small model), so they get a budget of their
         # own: prefills that score their prompt are spread over steps instead of stalling
@@ -99,11 +114,37 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.refused)
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        constraint = req.params.structured
+        if constraint is not None:
+            if self.grammars is None:
+                self._refuse(req, "structured outputs are not available on this engine")
+                return
+            req.grammar = self.grammars.grammar_for(constraint)
+            if not req.grammar.ready:
+                self.compiling.append(req)
+            elif req.grammar.error is not None:
+                self._refuse(req, req.grammar.error)
+
+    def take_refused(self) -> list[tuple[Request, str]]:
+        """Requests refused since the last call (their grammar failed), with the reason."""
+        refused, self.refused = self.refused, []
+        return refused
+
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        """With nothing to run, wait (up to `timeout_s`) for a grammar being compiled, rather
+        than spin through empty steps."""
+        grammar = self.compiling[0].grammar if self.compiling and not self.running else None
+        if grammar is not None:
+            grammar.wait(timeout_s)
+
+    def _refuse(self, req: Request, reason: str) -> None:
+        self.remove(req)
+        self.refused.append((req, reason))
 
     def finish_requests(self, request_ids: Sequence[str], reason: FinishReason) -> None:
         """Finish these requests from outside (aborted, or stopped by the frontend); ids no
@@ -123,6 +164,9 @@ class Scheduler:
         self.blocks.free(req.block_ids)
         req.block_ids = []
         req.status = Status.FINISHED
+        req.grammar = None  # its matcher goes with it
+        if req in self.compiling:
+            self.compiling.remove(req)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.remove(req)
@@ -130,6 +174,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.compiling:
+            self._take_compiled()
         self._rows_left = self.max_prompt_logprob_rows
         budget = self._schedule_running(out, self.step_budget())
         if not out.preempted:
@@ -188,9 +234,25 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
+    def _take_compiled(self) -> None:
+        """Requests whose grammar is ready may be scheduled now; failed ones are refused."""
+        for req in [r for r in self.compiling if r.grammar is None or r.grammar.ready]:
+            self.compiling.remove(req)
+            error = req.grammar.error if req.grammar is not None else None
+            if error is not None:
+                self._refuse(req, error)
+
+    def _next_waiting(self) -> Request | None:
+        """The oldest waiting request that can run: one still compiling its grammar is passed."""
+        if not self.compiling:
+            return self.waiting[0] if self.waiting else None
+        return next((r for r in self.waiting if r not in self.compiling), None)
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self._next_waiting()
+            if req is None:
+                break
             hits = self._prefix_hits(req)
             num_computed = len(hits) * self.blocks.block_size
             num_new = self._cap_rows(req, min(req.num_tokens - num_computed, budget))
@@ -202,7 +264,7 @@ class Scheduler:
             if fresh is None:
                 self.blocks.free(hits)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self.blocks.stats.queries += req.num_tokens
             self.blocks.stats.hits += num_computed
             req.block_ids = hits + fresh
@@ -263,6 +325,8 @@ class Scheduler:
         req.append_token(token)
         self.stats.generation_tokens += 1
         stop = self.stop_rules.check(req, token)
+        if req.grammar is not None:
+            stop = _grammar_stop(req, token, stop)
         if stop is not None:
             self._finish(req, stop.reason)
         return stop
@@ -276,3 +340,16 @@ class Scheduler:
         req.num_published_blocks = self.blocks.cache_full_blocks(
             req.block_ids, req.all_token_ids, req.block_hashes, req.num_computed_tokens,
             req.num_published_blocks)
+
+
+def _grammar_stop(req: Request, token: int, stop: Stop | None) -> Stop | None:
+    """The grammar's end is a stop (its matcher, advanced by the sampler, has seen `token`);
+    a request whose sampler found no token the grammar accepts ends rather than go on
+    outside its grammar."""
+    assert req.grammar is not None
+    if req.grammar.lost:
+        log.error("request %s: token %d is outside its grammar", req.request_id, token)
+        return Stop(FinishReason.ABORT)
+    if req.grammar.terminated and (stop is None or stop.reason is not FinishReason.STOP):
+        return Stop(FinishReason.STOP)
+    return stop

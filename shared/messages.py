@@ -38,6 +38,19 @@ class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=T
     """Base of every tagged wire message."""
 
 
+class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A constraint on a request's output text, compiled by the engine into a token grammar.
+
+    `kind` says what `spec` holds: "json" (a JSON schema as JSON text), "json_object" (any JSON
+    object; `spec` empty), "regex", "choice" (a JSON list of the allowed strings) or "grammar"
+    (EBNF). Whitespace between JSON tokens is bounded unless `any_whitespace` is false, when
+    only the single spaces of the default separators remain."""
+
+    kind: str
+    spec: str = ""
+    any_whitespace: bool = True
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What the engine needs to sample one request. Text-level options (stop strings,
     detokenization) stay in the frontend."""
@@ -57,6 +70,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     ignore_eos: bool = False
     logprobs: int | None = None  # None => none; k => sampled token + top-k (k <= MAX_LOGPROBS)
     prompt_logprobs: int | None = None  # None => none; k => per prompt token + top-k
+    structured: StructuredOutput | None = None  # None => unconstrained
 
 
 class Hello(_Wire, tag="hello"):
@@ -73,6 +87,9 @@ class Ready(_Wire, tag="ready"):
     eos_token_ids: list[int]
     bos_token_id: int | None = None
     engine_pid: int = 0
+    # The model's generation defaults (temperature, top_p, top_k, min_p, repetition_penalty)
+    # for requests that leave them out: vLLM's --generation-config auto.
+    sampling_defaults: dict[str, int | float] = {}
 
 
 class AddRequest(_Wire, tag="add"):
@@ -138,12 +155,24 @@ class EngineStats(msgspec.Struct, omit_defaults=True, gc=False):
     finished: dict[FinishReason, int] = {}  # requests finished, by reason (stop, length, abort)
     rejected: dict[FinishReason, int] = {}  # requests refused, by reason (overloaded, error)
     histograms: list[Histogram] = []
+    step_errors: int = 0  # steps that raised (their requests finished with "error")
+    frontends_lost: int = 0  # frontends gone silent whose requests the engine aborted
+
+
+class StepProgress(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The busy loop's progress, as the I/O thread sees it when it answers a ping: a live
+    socket does not prove that steps still finish (a hung kernel, a deadlock)."""
+
+    busy: bool = False  # the loop has work (or is inside a step) rather than waiting for some
+    since_step_s: float = 0.0  # seconds since the loop last finished a step (or took input)
+    slowest_step_s: float = 0.0  # the longest step seen so far
 
 
 class UtilityResult(_Wire, tag="util_result"):
     call_id: int
     stats: EngineStats | None = None  # the answer to "stats"
     error: str | None = None
+    progress: StepProgress | None = None  # the answer to "ping"
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -11,6 +11,7 @@ logprobs entry unless include_stop_str_in_output put its text in the message.
 
 from __future__ import annotations
 
+import msgspec
 from aiohttp import web
 
 from frontend.engine.client import EngineClient
@@ -33,48 +34,110 @@ from frontend.openai.protocol_chat import (
 )
 from frontend.openai.served_model import ServedModel
 from frontend.openai.serving import collect_choices, json_response, stream_choices
+from frontend.openai.tool_calls import ChoiceTools, ToolPlan, read_tool_plan, template_messages
 from frontend.text.logprob_text import TokenTextCache
 from frontend.text.output_processor import ChoiceDelta, GeneratedToken, merge_deltas
+
+NO_TOOLS = ToolPlan("none")
 
 
 class ServingChat:
     """The /v1/chat/completions endpoint for one engine and one served model."""
 
-    def __init__(self, client: EngineClient, served: ServedModel) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        served: ServedModel,
+        auto_tool_parser: str | None = None,
+        response_role: str = "assistant",
+    ) -> None:
         self.client = client
         self.served = served
+        self.auto_tool_parser = auto_tool_parser  # None: tool_choice "auto" is refused
+        self.response_role = response_role  # the role chat answers carry
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        req = decode_request(await request.read(), ChatCompletionRequest)
-        plan = self.plan(req)
+        req = decode_request(await request.read(), ChatCompletionRequest,
+                             self.served.sampling_defaults)
+        check_chat_request(req)
+        tools = read_tool_plan(req, self.auto_tool_parser)
+        plan = self.plan(req, tools)
         if req.stream:
+            if tools.active:
+                return await self._stream_tools(request, req, plan, tools)
             return await self._stream(request, req, plan)
-        return await self._complete(req, plan)
+        return await self._complete(req, plan, tools)
 
-    def plan(self, req: ChatCompletionRequest) -> RequestPlan:
+    def plan(self, req: ChatCompletionRequest, tools: ToolPlan = NO_TOOLS) -> RequestPlan:
         """Check, render and plan every choice; raises a 4xx OpenAIError."""
         check_chat_request(req)
-        text = self.served.render_chat(req.messages, req.add_generation_prompt, req.tools)
+        messages = template_messages(req.messages)
+        text = self.served.render_chat(messages, req.add_generation_prompt, req.tools)
+        if tools.mode == "auto":  # call markers may be special tokens (as in vLLM's parsers)
+            req = msgspec.structs.replace(req, skip_special_tokens=False)
         fields = ApiFields(
             prompt=self.served.chat_prompt_ids(text),
             max_tokens=max_completion_tokens(req),
             logprobs=top_logprobs(req),
             logprob_entries=False,  # chat shapes its own, from the released tokens
+            constraint=tools.constraint,
         )
         return plan_request(req, fields, self.served, "chatcmpl")
 
-    async def _complete(self, req: ChatCompletionRequest, plan: RequestPlan) -> web.Response:
+    async def _complete(
+        self, req: ChatCompletionRequest, plan: RequestPlan, tools: ToolPlan
+    ) -> web.Response:
         logprobs = ChatLogprobsBuilder(self.served.token_text, top_logprobs(req))
         choices = []
         for index, deltas in enumerate(await collect_choices(self.client, plan)):
             d = merge_deltas(deltas)
-            message = ResponseMessage(d.text)
-            choices.append(
-                ChatChoice(index, message, logprobs.of(d), d.finish_reason, d.stop_reason)
-            )
+            message, finish = ResponseMessage(d.text), d.finish_reason
+            if tools.active:
+                message, finish = tool_message(tools, d)
+            message.role = self.response_role
+            choices.append(ChatChoice(index, message, logprobs.of(d), finish, d.stop_reason))
         return json_response(
             ChatCompletionResponse(plan.id, plan.created, plan.model, choices, plan.usage())
         )
+
+    async def _stream_tools(
+        self, request: web.Request, req: ChatCompletionRequest, plan: RequestPlan,
+        tools: ToolPlan,
+    ) -> web.StreamResponse:
+        """The stream of a request whose answer is read for tool calls: content and call deltas
+        each in their own chunk; the delta's logprobs and finish go with its last chunk."""
+        options = req.stream_options
+        with_usage = options is not None and options.continuous_usage_stats
+        logprobs = ChatLogprobsBuilder(self.served.token_text, top_logprobs(req))
+        readers = [ChoiceTools(tools) for _ in plan.choices]
+        greeted = [False] * len(plan.choices)
+
+        def chunk(index: int, choice: ChatStreamChoice) -> ChatCompletionChunk:
+            usage = plan.choices[index].usage() if with_usage else None
+            return ChatCompletionChunk(plan.id, plan.created, plan.model, [choice], usage)
+
+        def chunks_of(index: int, delta: ChoiceDelta) -> list[ChatCompletionChunk]:
+            chunks = []
+            if not greeted[index]:
+                greeted[index] = True
+                role = DeltaMessage(self.response_role, "")
+                chunks.append(chunk(index, ChatStreamChoice(index, role)))
+            messages = tool_deltas(readers[index], delta)
+            if not messages and not delta.is_empty:
+                messages = [DeltaMessage()]
+            finish = tools.finish_reason(delta.finish_reason, bool(readers[index].calls()))
+            for i, message in enumerate(messages):
+                last = i == len(messages) - 1
+                chunks.append(chunk(index, ChatStreamChoice(
+                    index, message, logprobs.of(delta) if last else None,
+                    finish if last else None, delta.stop_reason if last else None)))
+            return chunks
+
+        def usage_chunk(usage: Usage) -> ChatCompletionChunk:
+            return ChatCompletionChunk(plan.id, plan.created, plan.model, [], usage)
+
+        final = usage_chunk if options is not None and options.include_usage else None
+        return await stream_choices(request, self.client, plan, chunks_of, final)
 
     async def _stream(
         self, request: web.Request, req: ChatCompletionRequest, plan: RequestPlan
@@ -92,7 +155,8 @@ class ServingChat:
             chunks = []
             if not greeted[index]:  # the role comes first, once per choice
                 greeted[index] = True
-                chunks.append(chunk(index, ChatStreamChoice(index, DeltaMessage("assistant", ""))))
+                role = DeltaMessage(self.response_role, "")
+                chunks.append(chunk(index, ChatStreamChoice(index, role)))
             if not delta.is_empty:
                 content = DeltaMessage(content=delta.text)
                 chunks.append(chunk(index, ChatStreamChoice(
@@ -105,6 +169,23 @@ class ServingChat:
 
         final = usage_chunk if options is not None and options.include_usage else None
         return await stream_choices(request, self.client, plan, chunks_of, final)
+
+
+def tool_message(tools: ToolPlan, delta: ChoiceDelta) -> tuple[ResponseMessage, str | None]:
+    """A whole choice read for tool calls: its message and finish reason."""
+    reader = ChoiceTools(tools)
+    content = reader.read(delta.text, final=True).content
+    calls = reader.calls()
+    message = ResponseMessage(content or None, tool_calls=calls or msgspec.UNSET)
+    return message, tools.finish_reason(delta.finish_reason, bool(calls))
+
+
+def tool_deltas(reader: ChoiceTools, delta: ChoiceDelta) -> list[DeltaMessage]:
+    """A streamed delta's text read for tool calls: a content message, then one per call
+    delta."""
+    read = reader.read(delta.text, final=delta.finish_reason is not None)
+    messages = [DeltaMessage(content=read.content)] if read.content else []
+    return messages + [DeltaMessage(tool_calls=[call]) for call in read.calls]
 
 
 class ChatLogprobsBuilder:

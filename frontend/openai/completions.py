@@ -35,7 +35,8 @@ class ServingCompletions:
         self.served = served
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        req = decode_request(await request.read(), CompletionRequest)
+        req = decode_request(await request.read(), CompletionRequest,
+                             self.served.sampling_defaults)
         check_completion_request(req)
         plan = plan_request(req, completion_fields(req), self.served, "cmpl")
         if req.stream:

@@ -11,6 +11,7 @@ batched prompts), with its own budget, seed and `ChoiceProcessor`.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Sequence
@@ -21,8 +22,12 @@ import msgspec
 from frontend.errors import bad_request
 from frontend.openai.protocol import MAX_STOP_STRINGS, SamplingRequest, Usage, split_prompts
 from frontend.openai.served_model import ServedModel
+from frontend.openai.structured import Constraint, read_constraint
 from frontend.text.output_processor import ChoiceProcessor, OutputOptions
 from shared.messages import SamplingParams
+
+REQUEST_LOG = "tandem.requests"  # a line per request with --enable-log-requests
+request_log = logging.getLogger(REQUEST_LOG)
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,9 @@ class ApiFields:
     # The processor writes completions-style logprob entries (token strings, top dicts, text
     # offsets); chat shapes its own from the released tokens, so it skips that work.
     logprob_entries: bool = True
+    # A constraint the API derives itself (chat: from its tools); the request's own
+    # response_format / structured_outputs are then refused by the API.
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,7 @@ class SamplingPlan:
     max_tokens: int | None
     min_tokens: int
     seed: int | None
+    constraint_param: str | None = None  # the field that constrains the output, if any
 
     def params_for(self, max_tokens: int, sample: int) -> SamplingParams:
         """Engine parameters for sample `sample` of a prompt; samples get distinct seeds."""
@@ -108,6 +117,8 @@ class RequestPlan:
     id: str
     model: str
     prompts: list[list[int]]
+    # The field that constrains the output: the engine's refusal of its grammar is a 400 on it.
+    constraint_param: str | None = None
     choices: list[ChoiceState] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -123,7 +134,8 @@ def plan_request(
     sampling = read_sampling(req, api, served)
     prompts = [served.prompt_ids(p) for p in split_prompts(api.prompt)]
     budgets = [sampling.budget(len(p), served.max_model_len) for p in prompts]
-    plan = RequestPlan(f"{id_prefix}-{uuid.uuid4().hex}", served.name, prompts)
+    plan = RequestPlan(f"{id_prefix}-{uuid.uuid4().hex}", served.name, prompts,
+                       constraint_param=sampling.constraint_param)
     for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
         for j in range(req.n):
             index = i * req.n + j
@@ -132,6 +144,9 @@ def plan_request(
                 served.tokenizer, prompt, sampling.options, served.token_text
             )
             plan.choices.append(ChoiceState(index, f"{plan.id}-{index}", prompt, params, processor))
+    if request_log.isEnabledFor(logging.INFO):  # --enable-log-requests
+        request_log.info("request %s: %d choice(s), prompt tokens %s, params %s", plan.id,
+                         len(plan.choices), [len(p) for p in prompts], sampling.params)
     return plan
 
 
@@ -144,6 +159,10 @@ def read_sampling(req: SamplingRequest, api: ApiFields, served: ServedModel) -> 
     served.check_ids(list(logit_bias or ()), "logit_bias")
     stop_token_ids = list(req.stop_token_ids or [])
     served.check_ids(stop_token_ids, "stop_token_ids")
+    constraint = api.constraint or read_constraint(req.response_format, req.structured_outputs)
+    if constraint is not None and req.min_tokens:
+        raise bad_request("min_tokens cannot be combined with structured outputs: the grammar "
+                          "decides where the output may end", "min_tokens")
     params = SamplingParams(
         temperature=req.temperature,
         top_p=req.top_p,
@@ -158,6 +177,7 @@ def read_sampling(req: SamplingRequest, api: ApiFields, served: ServedModel) -> 
         ignore_eos=req.ignore_eos,
         logprobs=api.logprobs,
         prompt_logprobs=api.logprobs if api.echo else None,
+        structured=None if constraint is None else constraint.output,
     )
     options = OutputOptions(
         echo=api.echo,
@@ -168,7 +188,8 @@ def read_sampling(req: SamplingRequest, api: ApiFields, served: ServedModel) -> 
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         return_tokens_as_token_ids=api.return_tokens_as_token_ids,
     )
-    return SamplingPlan(params, options, api.max_tokens, req.min_tokens, req.seed)
+    return SamplingPlan(params, options, api.max_tokens, req.min_tokens, req.seed,
+                        None if constraint is None else constraint.param)
 
 
 def check_lengths(req: SamplingRequest, api: ApiFields) -> None:

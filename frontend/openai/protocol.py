@@ -10,13 +10,14 @@ OpenAIError in frontend.errors.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import Annotated, Literal, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
 
 from frontend.errors import bad_request
+from frontend.openai.structured import ResponseFormat, StructuredOutputsParams
 from shared.messages import MAX_LOGPROBS
 
 MAX_N = 128
@@ -56,6 +57,8 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None  # structured outputs, OpenAI's spelling
+    structured_outputs: StructuredOutputsParams | None = None  # and vLLM's
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
@@ -129,15 +132,19 @@ class ModelList(msgspec.Struct):
     object: Literal["list"] = "list"
 
 
-def decode_request(body: bytes, kind: type[RequestT]) -> RequestT:
+def decode_request(body: bytes, kind: type[RequestT],
+                   defaults: Mapping[str, Any] | None = None) -> RequestT:
     """Decode and type-check a request body (raises msgspec.ValidationError / DecodeError).
 
-    An explicit JSON null means "the default", as OpenAI's API treats its nullable fields.
+    An explicit JSON null means "the default", as OpenAI's API treats its nullable fields;
+    `defaults` (the served model's generation defaults) replace the schema's own defaults for
+    the fields the body leaves out.
     """
     raw = msgspec.json.decode(body)
     if not isinstance(raw, dict):
         raise msgspec.ValidationError("the request body must be a JSON object")
-    return msgspec.convert({k: v for k, v in raw.items() if v is not None}, kind)
+    given = {k: v for k, v in raw.items() if v is not None}
+    return msgspec.convert({**(defaults or {}), **given}, kind)
 
 
 def split_prompts(prompt: str | Sequence[str | int | list[int]]) -> list[str] | list[list[int]]:

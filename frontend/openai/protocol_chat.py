@@ -46,6 +46,10 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None  # handed to the chat template as they are
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}; None:
+    # "auto" with tools, else "none" (read by frontend.openai.tool_calls)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class TopLogprob(msgspec.Struct):
@@ -65,9 +69,24 @@ class ChatLogprobs(msgspec.Struct):
     content: list[TokenLogprobEntry]
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON text
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ResponseMessage(msgspec.Struct):
-    content: str
-    role: Literal["assistant"] = "assistant"
+    """The answer's message; content is null when tool calls replace it, and `tool_calls` is
+    left out of answers without any."""
+
+    content: str | None
+    role: str = "assistant"  # --response-role
+    tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -87,11 +106,27 @@ class ChatCompletionResponse(msgspec.Struct):
     object: Literal["chat.completion"] = "chat.completion"
 
 
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """A call's first delta has its id, type, name and arguments ""; later ones add arguments."""
+
+    index: int
+    function: DeltaFunctionCall
+    id: str | None = None
+    type: Literal["function"] | None = None
+
+
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
-    """What a stream chunk adds to a message: role in the first chunk only, then content."""
+    """What a stream chunk adds to a message: role in the first chunk only, then content or
+    tool calls."""
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct):

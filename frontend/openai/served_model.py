@@ -8,6 +8,7 @@ a prompt is acceptable, and has it render chats. Its checks raise OpenAIError (4
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -24,11 +25,14 @@ class ServedModel:
     """The served model name, its tokenizer and token strings, and the engine's limits."""
 
     def __init__(
-        self, tokenizer: Any, name: str, max_model_len: int, engine_vocab_size: int
+        self, tokenizer: Any, name: str, max_model_len: int, engine_vocab_size: int,
+        sampling_defaults: dict[str, int | float] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.name = name
         self.max_model_len = max_model_len
+        # the model's generation defaults, for the sampling fields a request leaves out
+        self.sampling_defaults = dict(sampling_defaults or {})
         # ids both sides know: a tokenizer may pad its vocabulary, a model may pad its head
         self.vocab_size = min(len(tokenizer), engine_vocab_size)
         self.token_text = TokenTextCache(tokenizer)  # shared by every request
@@ -36,7 +40,8 @@ class ServedModel:
     @classmethod
     def from_ready(cls, tokenizer: Any, ready: Ready, name: str | None = None) -> ServedModel:
         """The model the engine announced, served as `name` (default: the engine's name)."""
-        return cls(tokenizer, name or ready.model, ready.max_model_len, ready.vocab_size)
+        return cls(tokenizer, name or ready.model, ready.max_model_len, ready.vocab_size,
+                   ready.sampling_defaults)
 
     def card(self) -> ModelCard:
         return ModelCard(id=self.name, root=self.name, max_model_len=self.max_model_len)
@@ -127,3 +132,24 @@ def content_text(content: str | list[ContentPart] | None) -> str | None:
     if content is None or isinstance(content, str):
         return content
     return "\n".join(part.text or "" for part in content)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text when `value` names a file, else the template itself."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        return path.read_text() if path.is_file() else value
+    except OSError as exc:
+        raise ValueError(f"--chat-template {value}: {exc}") from None
+
+
+def use_chat_template(tokenizer: Any, template: str) -> None:
+    """Make `template` the tokenizer's chat template (the light tokenizer keeps its templates
+    by name; transformers' has one attribute)."""
+    named = getattr(tokenizer, "chat_templates", None)
+    if isinstance(named, dict):
+        named["default"] = template
+    else:
+        tokenizer.chat_template = template

@@ -85,7 +85,7 @@ async def collect_choices(client: EngineClient, plan: RequestPlan) -> list[list[
             async for index, delta in outputs:
                 collected[index].append(delta)
     except (EngineRequestError, EngineDeadError) as exc:
-        raise engine_error(exc) from None
+        raise engine_error(exc, plan.constraint_param) from None
     return collected
 
 
@@ -107,8 +107,8 @@ async def stream_choices(
                     await sse.send(payload)
     except (EngineRequestError, EngineDeadError) as exc:
         if not sse.started:
-            raise engine_error(exc) from None
-        return await sse.fail(engine_error(exc).to_json())
+            raise engine_error(exc, plan.constraint_param) from None
+        return await sse.fail(engine_error(exc, plan.constraint_param).to_json())
     if usage_chunk is not None:
         await sse.send(usage_chunk(plan.usage()))
     return await sse.done()
@@ -150,8 +150,10 @@ def json_response(payload: Any) -> web.Response:
     return web.Response(body=msgspec.json.encode(payload), content_type="application/json")
 
 
-def engine_error(exc: Exception) -> OpenAIError:
-    """A dead or overloaded engine is a 503 to retry; a request the engine refused, a 400."""
+def engine_error(exc: Exception, param: str | None = None) -> OpenAIError:
+    """A dead or overloaded engine is a 503 to retry; a request the engine refused, a 400
+    (naming `param`: a constrained request's refusal is about its constraint, which only
+    the engine compiles)."""
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, f"The engine is unavailable: {exc}. Retry later.")
-    return bad_request(str(exc))
+    return bad_request(str(exc), param)

@@ -6,13 +6,17 @@ weight column is the logits row, so `ones @ weight.T` gives them back exactly.
 
 from __future__ import annotations
 
+import functools
 import math
+import re
+from concurrent.futures import Future
 
 import torch
 
 from engine_core.lm_head import BLOCK, LMHead
 from engine_core.request import Request
 from engine_core.sampler import Sampler, token_logprobs
+from engine_core.structured import RequestGrammar, TokenMasker
 from shared.messages import SamplingParams
 from tests.unit.engine_core.heads import engine_kernels
 
@@ -131,3 +135,137 @@ def test_sampled_rows_get_their_tokens_logprob_and_rank():
     assert torch.allclose(top, ref.topk(3).values, atol=1e-5)
     assert int(tokens[4]) == int(ref[4].argmax()) and out.logprobs.ranks[4] == 1
     assert (out.logprobs.ranks[:4] > 1).any()  # some sampled token was not the argmax
+
+
+# Constrained rows on synthetic logits: a 600-token vocabulary of distinct strings of a-f (token
+# i spells i in base 6, digits as letters), some tokens "Z" instead, EOS last. "[a-f]+" allows
+# every letter token (a broad mask: the fast path's draws are mostly allowed, some retried);
+# "f+" allows three (a narrow mask: the exact draw over the allowed tokens alone).
+VOCAB = 600
+EOS = VOCAB - 1
+ZS = [0, 7, 255, 256, 300, 400, 598]  # disallowed by both grammars, spread over the blocks
+
+
+def _spelling(i: int) -> str:
+    if i in ZS:
+        return "Z"
+    if i == EOS:
+        return "</s>"
+    digits = ""
+    while True:
+        digits = "abcdef"[i % 6] + digits
+        i //= 6
+        if not i:
+            return digits
+
+
+@functools.cache
+def _compiled(regex: str):
+    import xgrammar
+
+    info = xgrammar.TokenizerInfo([_spelling(i) for i in range(VOCAB)], stop_token_ids=[EOS])
+    return xgrammar.GrammarCompiler(info, max_threads=1).compile_regex(regex)
+
+
+def constrained(n: int, regex: str, **params) -> list[Request]:
+    reqs = []
+    for i in range(n):
+        req = Request(f"c{i}", [1], SamplingParams(**params))
+        compiled: Future = Future()
+        compiled.set_result(_compiled(regex))
+        req.grammar = RequestGrammar(compiled)
+        reqs.append(req)
+    return reqs
+
+
+def constrained_logits() -> torch.Tensor:
+    """The Z tokens lead, so unconstrained draws are often refused; allowed mass is uneven."""
+    logits = torch.linspace(-2.0, 1.0, VOCAB)
+    logits[ZS] = torch.tensor([3.0, 2.5, 4.0, 1.0, 3.5, 2.0, 3.0])
+    logits[[5, 35, 215]] = torch.tensor([0.5, 1.5, -1.0])  # "f", "ff", "fff"
+    return logits
+
+
+def allowed_mask(regex: str) -> torch.Tensor:
+    spelled = [_spelling(i) for i in range(VOCAB)]
+    return torch.tensor([re.fullmatch(regex, s) is not None for s in spelled])
+
+
+def test_constrained_draws_follow_the_masked_distribution():
+    """Broad and narrow masks, two temperatures: the fast path's frequencies match
+    softmax(masked logits / T), as do the general path's (a zero logit bias sends rows there),
+    and no draw is ever outside the mask."""
+    logits = constrained_logits()
+    for regex in ("[a-f]+", "f+"):
+        allowed = allowed_mask(regex)
+        for temp in (1.0, 0.7):
+            expected = torch.softmax((logits / temp).masked_fill(~allowed, -math.inf), -1)
+            for bias in ({}, {EOS: 0.0}):
+                reqs = constrained(8000, regex, temperature=temp, logit_bias=bias)
+                tokens = sample(logits, reqs, chunk=BLOCK, workers=2)
+                assert bool(allowed[tokens].all()), (regex, temp, bias)
+                got = torch.bincount(tokens, minlength=VOCAB).float() / len(tokens)
+                assert (got - expected).abs().max() < 0.02, (regex, temp, bias)
+                # each matcher advanced past its letter: the grammar may now end
+                assert all(r.grammar is not None and r.grammar.accept(EOS) for r in reqs[:3])
+
+
+def test_constrained_greedy_is_the_masked_argmax():
+    """The raw argmax when allowed, else the best allowed token (the first of equal maxima),
+    under a narrow mask (its allowed tokens read alone) and a broad one (its row masked)."""
+    logits = constrained_logits()
+    for regex in ("f+", "[a-f]+"):
+        masked = logits.masked_fill(~allowed_mask(regex), -math.inf)
+        got = sample(logits, constrained(2, regex, temperature=0.0)).tolist()
+        assert got == [int(masked.argmax())] * 2 and int(logits.argmax()) not in got
+    logits[35] = logits[5]  # a tie among the allowed: the lower id, as torch.argmax
+    assert sample(logits, constrained(1, "f+", temperature=0.0)).tolist() == [5]
+    logits[301] = 9.0  # a letter token, the raw argmax: the broad grammar accepts it as it is
+    assert sample(logits, constrained(1, "[a-f]+", temperature=0.0)).tolist() == [301]
+
+
+def test_a_token_the_mask_allows_but_the_matcher_refuses_is_drawn_again(monkeypatch):
+    """xgrammar's mask may allow a token its matcher then refuses: here the matcher refuses
+    "ff" (35), the best allowed token; the row is drawn again without it."""
+    real = TokenMasker.accept
+
+    def refusing(self, grammars, tokens):
+        return [t != 35 and real(self, [g], [t])[0] for g, t in zip(grammars, tokens)]
+
+    monkeypatch.setattr(TokenMasker, "accept", refusing)
+    reqs = constrained(1, "f+", temperature=0.0)
+    assert sample(constrained_logits(), reqs).tolist() == [5]
+    assert reqs[0].grammar is not None and reqs[0].grammar.accept(EOS)  # advanced past "f"
+
+
+def test_constrained_rows_keep_the_raw_logprobs_and_free_rows_their_draws():
+    """Masking never touches the scan: a constrained row's logprob is log_softmax of the raw
+    logits, and free rows in the same batch draw as they would alone (same seeds)."""
+    logits = constrained_logits()
+    free = [Request(f"f{i}", [1], SamplingParams(temperature=1.0, seed=i, logprobs=1))
+            for i in range(4)]
+    alone = Sampler([], seed=0)(head_for(logits), torch.ones(4, 1), free)
+    free = [Request(f"f{i}", [1], SamplingParams(temperature=1.0, seed=i, logprobs=1))
+            for i in range(4)]
+    mixed = constrained(3, "f+", temperature=1.0, logprobs=1) + free
+    out = Sampler([], seed=0)(head_for(logits), torch.ones(7, 1), mixed)
+    assert out.token_ids[3:].tolist() == alone.token_ids.tolist()
+    assert out.logprobs is not None
+    raw = torch.log_softmax(logits, -1)[torch.from_numpy(out.token_ids[:3])]
+    assert torch.allclose(torch.from_numpy(out.logprobs.logprobs[:3]), raw, atol=1e-5)
+
+
+def test_allowed_ids_and_allows_read_the_bitmask():
+    from engine_core.structured import allowed_ids, allows, is_broad
+
+    bitmask = torch.zeros(3, 19, dtype=torch.int32)  # 608 bits for 600 tokens
+    bitmask[0, 0] = 1 << 3
+    bitmask[0, 18] = -(1 << 31) | 1 << 23  # bit 31 (token 607, past the vocabulary) and 599
+    bitmask[2] = -1
+    ids = allowed_ids(bitmask, VOCAB)
+    assert ids.ids[0][ids.valid[0]].tolist() == [3, 599]
+    assert not ids.valid[1].any()
+    assert ids.ids[2][ids.valid[2]].tolist() == list(range(VOCAB))
+    assert is_broad(bitmask, 0.25).tolist() == [False, False, True]
+    rows, tokens = torch.tensor([0, 0, 1, 2]), torch.tensor([3, 4, 3, 599])
+    assert allows(bitmask, rows, tokens).tolist() == [True, False, False, True]

@@ -1,0 +1,257 @@
+"""Structured outputs in the engine: constraints compiled off the step loop, one grammar matcher
+per constrained request, and the step's token bitmask.
+
+The grammar engine is xgrammar. It is imported on first use, on the compile thread, so an
+engine that never sees a constraint never loads it (nor builds its tokenizer table).
+
+- `GrammarCompiler.grammar_for` starts compiling a constraint on one worker thread and returns
+  the request's `RequestGrammar` at once; compiled grammars are cached by constraint, so a
+  repeated schema is ready immediately. The scheduler lets a request join the batch only once
+  its grammar is ready, and refuses it (with the compiler's message) when it failed.
+- Each `RequestGrammar` owns its matcher, advanced by the sampler with every token it draws
+  for the request (each one is appended). Preemption keeps a request's output tokens (it is
+  recomputed, not resampled), so the matcher, which has seen exactly those tokens, stays
+  valid as it is.
+- `TokenMasker` fills one bitmask row per constrained row of a step, all rows in one call,
+  and advances their matchers in one call; `allows`, `is_broad`, `apply_bitmask` and
+  `allowed_ids` read a bitmask (the sampler's masked draws, engine_core/sampler.py).
+
+JSON whitespace: with unbounded whitespace a model can loop on whitespace tokens until
+max_tokens (vLLM #38696), so each gap between JSON tokens holds at most MAX_WHITESPACE
+characters; `any_whitespace=False` keeps only the single spaces of the separators ", " and ": ".
+Object properties a schema does not list are never generated (xgrammar's strict mode).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from shared.messages import StructuredOutput
+
+if TYPE_CHECKING:
+    import xgrammar
+
+log = logging.getLogger(__name__)
+
+MAX_WHITESPACE = 8  # characters per gap between JSON tokens (see the module docstring)
+CACHE_SIZE = 256  # compiled constraints kept
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+_CompileKey = tuple[str, str, bool]
+
+
+class GrammarCompiler:
+    """Compiles constraints on one worker thread, with a cache keyed by the constraint."""
+
+    def __init__(self, tokenizer: str, vocab_size: int, stop_token_ids: Sequence[int],
+                 trust_remote_code: bool = False) -> None:
+        """`vocab_size` is the model's (the logits' width), which may exceed the tokenizer's;
+        `stop_token_ids` end a grammar (the model's EOS ids)."""
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self.trust_remote_code = trust_remote_code
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
+        self._cache: OrderedDict[_CompileKey, Future[xgrammar.CompiledGrammar]] = OrderedDict()
+        self._compiler: xgrammar.GrammarCompiler | None = None  # built on the worker thread
+
+    def grammar_for(self, constraint: StructuredOutput) -> RequestGrammar:
+        """A new request's grammar; compiling (or cached already)."""
+        key = (constraint.kind, constraint.spec, constraint.any_whitespace)
+        future = self._cache.get(key)
+        if future is None:
+            future = self._pool.submit(self._compile, constraint)
+            self._cache[key] = future
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return RequestGrammar(future)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, c: StructuredOutput) -> xgrammar.CompiledGrammar:
+        compiler = self._compiler or self._build_compiler()
+        try:
+            return _compile_with(compiler, c)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ConstraintError(f"the {_NAMES.get(c.kind, c.kind)} does not compile: "
+                                  f"{_compiler_message(exc)}") from None
+
+    def _build_compiler(self) -> xgrammar.GrammarCompiler:
+        import xgrammar
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(self.tokenizer,
+                                            trust_remote_code=self.trust_remote_code)
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tok, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+
+class ConstraintError(Exception):
+    """A constraint the grammar engine rejects; its message is for the user."""
+
+
+_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
+          "choice": "choice list", "grammar": "grammar"}
+
+
+def _compile_with(compiler: xgrammar.GrammarCompiler,
+                  c: StructuredOutput) -> xgrammar.CompiledGrammar:
+    ws: dict[str, Any] = {"any_whitespace": c.any_whitespace,
+                          "max_whitespace_cnt": MAX_WHITESPACE if c.any_whitespace else None}
+    if c.kind == "json":
+        return compiler.compile_json_schema(c.spec, strict_mode=True, **ws)
+    if c.kind == "json_object":  # any object: extra properties are the point here
+        return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **ws)
+    if c.kind == "regex":
+        return compiler.compile_regex(c.spec)
+    if c.kind == "choice":
+        return compiler.compile_grammar(choice_grammar(json.loads(c.spec)))
+    if c.kind == "grammar":
+        return compiler.compile_grammar(c.spec)
+    raise ValueError(f"unknown constraint kind {c.kind!r} (expected one of {', '.join(KINDS)})")
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """An EBNF grammar matching exactly one of `choices` (JSON string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in choices)
+
+
+_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[12:00:00] /path/file.cc:94: "
+
+
+def _compiler_message(exc: Exception) -> str:
+    """The compiler's own words, without its timestamp and source location."""
+    return _LOCATION.sub("", str(exc).strip()).strip() or type(exc).__name__
+
+
+class RequestGrammar:
+    """One request's grammar: compiling, then a matcher that has seen every output token."""
+
+    def __init__(self, compiled: Future[xgrammar.CompiledGrammar]) -> None:
+        self._compiled = compiled
+        self._matcher: xgrammar.GrammarMatcher | None = None
+        self.lost = False  # the sampler found no token the matcher accepts: give up
+
+    @property
+    def ready(self) -> bool:
+        """Compiled, or failed (then `error` says why)."""
+        return self._compiled.done()
+
+    @property
+    def error(self) -> str | None:
+        if not self._compiled.done():
+            return None
+        exc = self._compiled.exception()
+        return None if exc is None else str(exc)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until compiled (or `timeout_s` passed); for an engine with nothing else to do."""
+        try:
+            self._compiled.exception(timeout=timeout_s)
+        except TimeoutError:
+            pass
+
+    @property
+    def matcher(self) -> xgrammar.GrammarMatcher:
+        if self._matcher is None:
+            import xgrammar
+
+            self._matcher = xgrammar.GrammarMatcher(self._compiled.result())
+        return self._matcher
+
+    def accept(self, token: int) -> bool:
+        """Advance past a sampled token; False if the grammar does not allow it."""
+        return bool(self.matcher.accept_token(token))
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar ended (a stop token was accepted where it may end)."""
+        return bool(self.matcher.is_terminated())
+
+
+class TokenMasker:
+    """The grammar work of one step, each part one call for all of the step's constrained rows:
+    filling their token bitmasks, and advancing their matchers past the drawn tokens."""
+
+    def __init__(self) -> None:
+        import xgrammar
+
+        self._xgr = xgrammar
+        self._batch = xgrammar.BatchGrammarMatcher(max_threads=1)
+
+    def fill(self, rows: int, vocab: int, constrained: Sequence[int],
+             grammars: Sequence[RequestGrammar]) -> torch.Tensor:
+        """A step's bitmask [rows, ceil(vocab / 32)] int32 on the CPU: row `constrained[i]`
+        allows `grammars[i]`'s next tokens, every other row allows every token. `vocab` is the
+        model's (the logits' width), as the grammars were compiled for."""
+        bitmask = self._xgr.allocate_token_bitmask(rows, vocab)
+        self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask,
+                                                  indices=list(constrained))
+        return bitmask
+
+    def accept(self, grammars: Sequence[RequestGrammar], tokens: Sequence[int]) -> list[bool]:
+        """Advance each grammar past its token; False where the grammar refuses it (the matcher
+        is then left as it was)."""
+        return list(self._batch.batch_accept_token([g.matcher for g in grammars], list(tokens)))
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def allows(bitmask: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Whether row `rows[i]` of `bitmask` allows `tokens[i]` (bool [n]): one bit each."""
+    words = bitmask[rows, tokens // 32]
+    return ((words >> (tokens % 32).to(torch.int32)) & 1).bool()
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set every logit the bitmask (of the same rows, on the CPU) disallows to -inf, in place:
+    xgrammar's kernel on CUDA, its CPU loop elsewhere."""
+    import xgrammar
+
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device),
+                                         vocab_size=logits.shape[1])
+
+
+def is_broad(bitmask: torch.Tensor, share: float) -> torch.Tensor:
+    """Whether at least `share` of each row's words allow some token (bool [rows]): a cheap
+    stand-in for the share of the vocabulary a mask allows."""
+    return (bitmask != 0).float().mean(1) >= share
+
+
+class AllowedIds(NamedTuple):
+    """Each bitmask row's allowed tokens, ascending, padded to the longest row."""
+
+    ids: torch.Tensor  # [rows, n] int64, 0 where not valid
+    valid: torch.Tensor  # [rows, n] bool
+
+
+def allowed_ids(bitmask: torch.Tensor, vocab: int) -> AllowedIds:
+    """The allowed tokens (below `vocab`) of each bitmask row. Only words with a bit set are
+    unpacked, so a grammar that allows a few tokens costs a few, not the vocabulary."""
+    row_of, word = torch.nonzero(bitmask, as_tuple=True)  # row-major: rows, then words, ascend
+    entry, bit = torch.nonzero((bitmask[row_of, word, None] >> _SHIFTS) & 1, as_tuple=True)
+    row, token = row_of[entry], word[entry] * 32 + bit
+    below = token < vocab
+    row, token = row[below], token[below]
+    counts = torch.bincount(row, minlength=bitmask.shape[0])
+    position = torch.arange(len(row)) - (counts.cumsum(0) - counts)[row]
+    width = max(1, int(counts.max())) if len(counts) else 1
+    ids = torch.zeros(bitmask.shape[0], width, dtype=torch.int64)
+    valid = torch.zeros(bitmask.shape[0], width, dtype=torch.bool)
+    ids[row, position] = token
+    valid[row, position] = True
+    return AllowedIds(ids, valid)
