@@ -121,3 +121,10 @@ class BlockManager:
                 self._cached[key] = b
                 self._key_of[b] = key
         return max(upto, already)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's /reset_prefix_cache): blocks in use keep serving
+        their requests, nothing is shared from them any more, and freed blocks return plain."""
+        for block in self._cached.values():
+            self._key_of[block] = None
+        self._cached.clear()

@@ -19,6 +19,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact block count; wins over kv_cache_memory
     gpu_memory_utilization: float | None = None  # the engine's share of the GPU (vLLM's flag)
     max_logprobs: int | None = None  # most logprobs a request may ask; None => MAX_LOGPROBS
+    generation_config: str = "auto"  # sampling defaults: auto (the model's) | vllm | a folder
     enable_prefix_caching: bool = True
     dtype: str = "auto"  # auto => float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto | cpu | cuda

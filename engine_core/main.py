@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             max_waiting_requests=args.max_waiting_requests,
             kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization, max_logprobs=args.max_logprobs,
+            generation_config=args.generation_config,
             enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype, device=args.device,
             seed=args.seed, num_threads=args.num_threads, trust_remote_code=args.trust_remote_code)
         core = EngineCore(config)
@@ -74,7 +75,8 @@ def ready_message(config: EngineConfig, facts: ModelFacts) -> Ready:
     return Ready(model=config.served_model_name or config.model,
                  tokenizer=config.tokenizer or config.model, max_model_len=facts.max_model_len,
                  vocab_size=facts.vocab_size, eos_token_ids=list(facts.eos_token_ids),
-                 bos_token_id=facts.bos_token_id, engine_pid=os.getpid())
+                 bos_token_id=facts.bos_token_id, engine_pid=os.getpid(),
+                 sampling_defaults=dict(facts.sampling_defaults))
 
 
 if __name__ == "__main__":

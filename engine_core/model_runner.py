@@ -36,6 +36,7 @@ class ModelFacts:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    sampling_defaults: tuple[tuple[str, int | float], ...] = ()  # per --generation-config
 
 
 class ModelRunner:
@@ -112,16 +113,41 @@ def _text_config(hf: Any) -> Any:
     return hf.get_text_config() if hasattr(hf, "get_text_config") else hf
 
 
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 def _model_facts(config: EngineConfig, text: Any) -> ModelFacts:
     max_len = config.max_model_len or getattr(text, "max_position_embeddings", None) or 2048
     eos: list[int] = []
-    try:
-        gen = GenerationConfig.from_pretrained(config.model)
+    gen = _generation_config(config.model)
+    if gen is not None:
         eos += _as_list(gen.eos_token_id)
-    except OSError:
-        pass
     eos += [e for e in _as_list(text.eos_token_id) if e not in eos]
-    return ModelFacts(int(max_len), int(text.vocab_size), tuple(eos), text.bos_token_id)
+    return ModelFacts(int(max_len), int(text.vocab_size), tuple(eos), text.bos_token_id,
+                      sampling_defaults(config))
+
+
+def _generation_config(folder: str) -> GenerationConfig | None:
+    try:
+        return GenerationConfig.from_pretrained(folder)
+    except OSError:
+        return None
+
+
+def sampling_defaults(config: EngineConfig) -> tuple[tuple[str, int | float], ...]:
+    """The sampling values the model's generation config sets (only those it sets, as vLLM's
+    'auto' reads them); none with --generation-config vllm."""
+    if config.generation_config == "vllm":
+        return ()
+    folder = config.model if config.generation_config == "auto" else config.generation_config
+    gen = _generation_config(folder)
+    if gen is None:
+        if config.generation_config != "auto":
+            raise ValueError(f"--generation-config {folder}: no generation_config.json there")
+        return ()
+    given = gen.to_diff_dict()
+    return tuple((key, given[key]) for key in SAMPLING_KEYS
+                 if isinstance(given.get(key), (int, float)))
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:

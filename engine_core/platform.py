@@ -20,6 +20,7 @@ from engine_core.config import EngineConfig
 from engine_core.default_model import cache_root
 from engine_core.linear import transposed_is_faster
 from engine_core.lm_head import HeadBackend
+from shared.machine import available_cpus
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def head_workers(device: torch.device, torch_threads: int) -> int:
     tolerate a busy core, torch's OpenMP split does not); else torch's own threads do it."""
     if device.type != "cpu" or torch_threads > 1:
         return 1
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return available_cpus()
 
 
 def _transposed_linears(device: torch.device, dtype: torch.dtype, threads: int | None,

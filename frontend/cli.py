@@ -15,13 +15,21 @@ import sys
 import tempfile
 import time
 
+import msgspec
 import zmq
 
-from shared.engine_args import add_engine_args, engine_argv
-from shared.messages import Hello, Ready
-from shared.transport import InputCodec, OutputCodec, configure, new_identity
+from frontend.options import add_frontend_args, check_frontend_args, frontend_argv
+from shared.argv import ConfigFileError, normalize
+from shared.engine_args import add_engine_args, check_engine_args, engine_argv
+from shared.machine import available_cpus
+from shared.messages import Hello, Ready, StepProgress, UtilityRequest, UtilityResult
+from shared.transport import InputCodec, OutputCodec, configure, is_stalled, new_identity
 
 ENGINE_DEATH_NOTICE_S = 2.5
+FRONTEND_RESTARTS = 5  # a frontend that dies this many times within the window stops the server
+FRONTEND_RESTART_WINDOW_S = 60.0
+FRONTEND_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 4.0)  # wait before restart, by recent deaths
+WATCH_PING_S = 1.0
 SERVE_HELP = """Serve MODEL over the OpenAI API: one engine process and --api-server-count
 frontend processes sharing one port. Without MODEL, the embedded tiny Llama (built offline on
 first use into $TANDEM_CACHE or ~/.cache/tandem)."""
@@ -35,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="engine + frontends on one port", description=SERVE_HELP)
     serve.add_argument("model", nargs="?", default=None,
                        help="model folder or hub id (default: embedded tiny Llama)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--host", default=os.environ.get("TANDEM_HOST", "127.0.0.1"),
+                       help="address to listen on (default: $TANDEM_HOST, else 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port shared by every frontend")
     serve.add_argument("--api-server-count", type=int, default=1,
                        help="number of frontend processes")
@@ -50,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ready-timeout", type=float, default=900.0,
                        help="seconds to wait for the engine to load the model")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_frontend_args(serve)
     add_engine_args(serve)
     sub.add_parser("engine", help="run the engine core alone (see `tandem engine --help`)",
                    add_help=False)
@@ -66,12 +76,27 @@ def main(argv: list[str] | None = None) -> int:
         module = {"engine": "engine_core", "frontend": "frontend.server",
                   "bench": "frontend.bench"}[argv[0]]
         os.execv(sys.executable, [sys.executable, "-m", module, *argv[1:]])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        # vLLM's command lines: --config FILE, --flag_name (after the subcommand)
+        argv = argv[:1] + normalize(argv[1:], parser)
+    except ConfigFileError as exc:
+        parser.error(str(exc))
+    args = parser.parse_args(argv)
+    check_frontend_args(parser, args)
+    problem = check_engine_args(args)
+    if problem is not None:
+        parser.error(problem)
     return Launcher(args).run()
 
 
 class Launcher:
-    """Starts the children, waits for the engine's READY, supervises, shuts down."""
+    """Starts the children, waits for the engine's READY, supervises, shuts down.
+
+    Supervision: a dead engine, or one whose step loop is stuck (`EngineWatch`, then killed),
+    stops everything, since every request lived there. A dead frontend is replaced (after a
+    backoff that grows with its recent deaths) while the others keep serving the port; only one
+    that keeps dying stops the server."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -79,6 +104,8 @@ class Launcher:
         self.address = args.engine_address or f"ipc://{self.tmp.name}/engine.sock"
         self.engine: subprocess.Popen[bytes] | None = None
         self.frontends: list[subprocess.Popen[bytes]] = []
+        self.deaths: list[float] = []  # when frontends died, for the restart budget
+        self.restart_at: dict[int, float] = {}  # frontend slot -> when to start it again
         self.stop_signal: int | None = None
         self.grace = args.shutdown_grace + 5  # frontends' own grace, plus their teardown
 
@@ -93,7 +120,9 @@ class Launcher:
             self.frontends = [self._start_frontend(i) for i in range(self.args.api_server_count)]
             if not self._wait_frontends():
                 return 1
-            print(f"tandem: serving {ready.model!r} on http://{self.args.host}:{self.args.port} "
+            scheme = "https" if self.args.ssl_certfile else "http"
+            where = f"{scheme}://{self.args.host}:{self.args.port}"
+            print(f"tandem: serving {ready.model!r} on {where} "
                   f"({self.args.api_server_count} frontend(s), engine pid {self.engine.pid})",
                   flush=True)
             return self._supervise()
@@ -109,7 +138,7 @@ class Launcher:
         if args.num_threads is None:
             # Torch threads collapse when another process takes their core (measured: 2 threads
             # with a busy frontend ran 2.4x slower than 1), so leave the frontends theirs.
-            args.num_threads = max(1, (os.cpu_count() or 1) - args.api_server_count)
+            args.num_threads = max(1, available_cpus() - args.api_server_count)
         cmd = [sys.executable, "-m", "engine_core", *([args.model] if args.model else []),
                "--listen", self.address, "--log-level", args.log_level, *engine_argv(args)]
         return subprocess.Popen(cmd, preexec_fn=_child_setup)
@@ -122,7 +151,7 @@ class Launcher:
                "--ready-file", self._ready_file(i),
                "--host", self.args.host, "--port", str(self.args.port), "--reuse-port",
                "--shutdown-grace", str(self.args.shutdown_grace),
-               "--log-level", self.args.log_level]
+               "--log-level", self.args.log_level, *frontend_argv(self.args)]
         env = dict(os.environ)
         if self.args.api_key:
             env["TANDEM_API_KEY"] = self.args.api_key  # not on the command line, where ps shows it
@@ -176,23 +205,102 @@ class Launcher:
         return None
 
     def _supervise(self) -> int:
-        while self.stop_signal is None:
-            dead = self._dead_child()
-            if dead is self.engine:
-                # Frontends notice within 2 s: they fail in-flight requests and turn /health to
-                # 503, so clients and probes see why. Then everything stops (exit within 5 s).
-                time.sleep(ENGINE_DEATH_NOTICE_S)
-                self.grace = 1.0  # nothing left in flight; SIGKILL after that
-            if dead is not None:
-                return 1
-            time.sleep(0.1)
+        assert self.engine is not None
+        with EngineWatch(self.address) as watch:
+            while self.stop_signal is None:
+                if self.engine.poll() is not None or self._engine_stuck(watch):
+                    return self._engine_died()
+                if not self._tend_frontends():
+                    return 1
+                time.sleep(0.1)
         return 0
+
+    def _engine_stuck(self, watch: EngineWatch) -> bool:
+        progress = watch.progress()
+        if progress is None or not is_stalled(progress):
+            return False
+        assert self.engine is not None
+        print(f"tandem: the engine's step loop has finished no step for "
+              f"{progress.since_step_s:.0f} s while it has work; killing it", file=sys.stderr)
+        self.engine.kill()
+        self.engine.wait()
+        return True
+
+    def _engine_died(self) -> int:
+        assert self.engine is not None
+        print(f"tandem: the engine process {self.engine.pid} exited with code "
+              f"{self.engine.returncode}; stopping everything", file=sys.stderr)
+        # Frontends notice within 2 s: they fail in-flight requests and turn /health to 503, so
+        # clients and probes see why. Then everything stops (exit within 5 s).
+        time.sleep(ENGINE_DEATH_NOTICE_S)
+        self.grace = 1.0  # nothing left in flight; SIGKILL after that
+        return 1
+
+    def _tend_frontends(self) -> bool:
+        """Schedule a dead frontend's replacement, start those due; False when one keeps dying."""
+        now = time.monotonic()
+        for i, proc in enumerate(self.frontends):
+            if i in self.restart_at or proc.poll() is None:
+                continue
+            self.deaths = [t for t in self.deaths if now - t < FRONTEND_RESTART_WINDOW_S]
+            self.deaths.append(now)
+            if len(self.deaths) >= FRONTEND_RESTARTS:
+                print(f"tandem: frontends died {len(self.deaths)} times within "
+                      f"{FRONTEND_RESTART_WINDOW_S:.0f} s; stopping everything", file=sys.stderr)
+                return False
+            delay = FRONTEND_BACKOFF_S[min(len(self.deaths), len(FRONTEND_BACKOFF_S)) - 1]
+            print(f"tandem: frontend {proc.pid} exited with code {proc.returncode}; starting a "
+                  f"new one in {delay:g} s (the others keep serving)", file=sys.stderr)
+            self.restart_at[i] = now + delay
+        for i, due in list(self.restart_at.items()):
+            if now >= due:
+                del self.restart_at[i]
+                self.frontends[i] = self._start_frontend(i)
+        return True
 
     def _stop_all(self) -> None:
         """Frontends first (they drain in-flight requests within the grace period), then the
         engine."""
         _terminate(self.frontends, self.grace)
         _terminate([self.engine] if self.engine else [], 10)
+
+
+class EngineWatch:
+    """The launcher's own look at the engine's step loop: a ping a second on a DEALER, and the
+    progress its answers carry (`None` until one came back). A stuck loop is restarted as a dead
+    engine is; a silent engine is the frontends' to judge (they fail requests within 2 s)."""
+
+    def __init__(self, address: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        configure(self.sock)
+        self.sock.setsockopt(zmq.IDENTITY, new_identity("launcher-watch"))
+        self.sock.connect(address)
+        self.codec, self.out = InputCodec(), OutputCodec()
+        self.next_ping = 0.0
+        self.last: StepProgress | None = None
+
+    def __enter__(self) -> EngineWatch:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+    def progress(self) -> StepProgress | None:
+        """The latest progress heard; pings when one is due. Never blocks."""
+        while self.sock.poll(0):
+            try:
+                msg = self.out.decode(self.sock.recv())
+            except msgspec.DecodeError:
+                continue
+            if isinstance(msg, UtilityResult) and msg.progress is not None:
+                self.last = msg.progress
+        now = time.monotonic()
+        if now >= self.next_ping:
+            self.next_ping = now + WATCH_PING_S
+            self.sock.send(self.codec.encode(UtilityRequest(0, "ping")))
+        return self.last
 
 
 def _child_setup() -> None:

@@ -18,6 +18,8 @@ import logging
 import os
 import signal
 import socket
+import ssl
+import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -26,16 +28,20 @@ from typing import Any
 
 from aiohttp import web
 
+from frontend.cors import cors_middleware
 from frontend.engine.client import EngineClient, EngineUnavailableError
 from frontend.errors import Handler, OpenAIError, error_middleware
 from frontend.metrics import CONTENT_TYPE, render
 from frontend.openai.chat import ServingChat
 from frontend.openai.completions import ServingCompletions
+from frontend.openai.plan import REQUEST_LOG
 from frontend.openai.protocol import ModelList
-from frontend.openai.served_model import ServedModel
+from frontend.openai.served_model import ServedModel, read_chat_template, use_chat_template
 from frontend.openai.serving import json_response
 from frontend.openai.tokens import ServingTokens
+from frontend.options import add_frontend_args, check_frontend_args
 from frontend.text.tokenizer import load_tokenizer
+from shared.argv import ConfigFileError, normalize
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +59,28 @@ class FrontendConfig:
     handshake_timeout: float = 30.0
     heartbeat_interval: float = 0.25
     silence_timeout: float = 1.25  # with the ping spacing: a dead engine shows within 2 s
+    stall_timeout: float = 10.0  # least time a busy engine may finish no step (x5 slowest step)
     shutdown_grace: float = 30.0
     max_body_bytes: int = 64 * 2**20
     ready_file: str | None = None  # touched once listening (the launcher waits for it)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
+    tool_call_parser: str | None = None  # "hermes" | "llama3_json"
+    chat_template: str | None = None  # instead of the tokenizer's (the template itself)
+    response_role: str = "assistant"  # the role of chat answers
+    allowed_origins: tuple[str, ...] = ("*",)  # CORS, as vLLM's defaults
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    access_log: bool = True  # an access-log line per HTTP request
+    http_log_level: str = "info"  # aiohttp's own loggers
+    log_requests: bool = False  # a line per request: id, prompt length, parameters
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser of tool_choice "auto", or None when it is not enabled."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
 
 CONFIG = web.AppKey("config", FrontendConfig)
@@ -71,8 +96,11 @@ def init_app(
     config: FrontendConfig, tokenizer_loader: TokenizerLoader = load_tokenizer
 ) -> web.Application:
     """The frontend app; the engine handshake happens at startup (in cleanup_ctx)."""
+    cors = cors_middleware(config.allowed_origins, config.allowed_methods,
+                           config.allowed_headers, config.allow_credentials)
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware], client_max_size=config.max_body_bytes
+        middlewares=[cors, error_middleware, auth_middleware],
+        client_max_size=config.max_body_bytes,
     )
     app[CONFIG] = config
     app.cleanup_ctx.append(partial(engine_context, tokenizer_loader=tokenizer_loader))
@@ -85,8 +113,11 @@ def init_app(
     app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)  # vLLM's name for the same check (GET and POST)
+    app.router.add_post("/ping", health)
     app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     return app
 
 
@@ -99,17 +130,20 @@ async def engine_context(
         handshake_timeout=config.handshake_timeout,
         heartbeat_interval=config.heartbeat_interval,
         silence_timeout=config.silence_timeout,
+        stall_timeout=config.stall_timeout,
     )
     ready = await client.start()
     try:
         tokenizer = await asyncio.get_running_loop().run_in_executor(
             None, tokenizer_loader, ready.tokenizer
         )
+        if config.chat_template is not None:
+            use_chat_template(tokenizer, config.chat_template)
         served = ServedModel.from_ready(tokenizer, ready, config.served_model_name)
         app[ENGINE] = client
         app[SERVED] = served
         app[COMPLETIONS] = ServingCompletions(client, served)
-        app[CHAT] = ServingChat(client, served)
+        app[CHAT] = ServingChat(client, served, config.auto_tool_parser, config.response_role)
         app[TOKENS] = ServingTokens(served, ready.tokenizer)
         logger.info(
             "engine at %s ready: model %s, max_model_len %d",
@@ -124,9 +158,10 @@ async def engine_context(
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Bearer check on /v1/* when an API key is configured; /health stays open."""
+    """Bearer check on /v1/* (and /reset_prefix_cache) when an API key is configured; /health
+    stays open."""
     key = request.app[CONFIG].api_key
-    if key and request.path.startswith("/v1/"):
+    if key and (request.path.startswith("/v1/") or request.path == "/reset_prefix_cache"):
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise OpenAIError(
@@ -145,6 +180,15 @@ async def add_retry_after(request: web.Request, response: web.StreamResponse) ->
     """Every 503 (engine down or waiting queue full) tells the client when to try again."""
     if response.status == 503:
         response.headers.setdefault("Retry-After", "1")
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """POST /reset_prefix_cache (vLLM's): the engine forgets every cached prompt prefix."""
+    try:
+        await request.app[ENGINE].call_utility("reset_prefix_cache")
+    except (RuntimeError, TimeoutError) as exc:
+        return OpenAIError(503, f"The engine did not reset its prefix cache ({exc}).").to_response()
+    return web.Response(status=200)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -200,18 +244,27 @@ async def version(request: web.Request) -> web.Response:
 
 async def serve(config: FrontendConfig) -> None:
     """Serve until SIGTERM/SIGINT; then stop accepting and let in-flight requests finish."""
-    runner = web.AppRunner(
-        init_app(config), handler_cancellation=True, shutdown_timeout=config.shutdown_grace
-    )
+    http_level = config.http_log_level.upper().replace("TRACE", "DEBUG")
+    logging.getLogger("aiohttp").setLevel(http_level)
+    request_level = logging.INFO if config.log_requests else logging.WARNING
+    logging.getLogger(REQUEST_LOG).setLevel(request_level)
+    app = init_app(config)
+    runner = (web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.shutdown_grace)
+              if config.access_log else
+              web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.shutdown_grace,
+                            access_log=None))
     await runner.setup()  # connects to the engine; raises if it does not answer
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        site = web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port)
+        site = web.TCPSite(runner, config.host, config.port, reuse_port=config.reuse_port,
+                           ssl_context=ssl_context(config))
         await site.start()
-        logger.info("frontend %s serving on http://%s:%d", FRONTEND_ID, config.host, config.port)
+        scheme = "https" if config.ssl_certfile else "http"
+        logger.info("frontend %s serving on %s://%s:%d", FRONTEND_ID, scheme, config.host,
+                    config.port)
         if config.ready_file:
             with open(config.ready_file, "w") as f:
                 f.write(FRONTEND_ID)
@@ -221,6 +274,14 @@ async def serve(config: FrontendConfig) -> None:
         await runner.cleanup()
 
 
+def ssl_context(config: FrontendConfig) -> ssl.SSLContext | None:
+    if config.ssl_certfile is None or config.ssl_keyfile is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+    return context
+
+
 def run_frontend(config: FrontendConfig) -> None:
     asyncio.run(serve(config))
 
@@ -228,18 +289,26 @@ def run_frontend(config: FrontendConfig) -> None:
 def parse_args(argv: list[str] | None = None) -> FrontendConfig:
     parser = argparse.ArgumentParser(description="Tandem OpenAI-compatible frontend process.")
     parser.add_argument("--engine", required=True, help="engine address, tcp://H:P or ipc://PATH")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default=os.environ.get("TANDEM_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"))
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT (many frontends)")
     parser.add_argument("--handshake-timeout", type=float, default=30.0)
     parser.add_argument("--shutdown-grace", type=float, default=30.0)
+    parser.add_argument("--stall-timeout", type=float, default=10.0,
+                        help="seconds a busy engine may finish no step before it counts as "
+                             "dead (at least; 5x its slowest step if more)")
     parser.add_argument("--ready-file", default=None, help="file to create once listening")
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
-    args = parser.parse_args(argv)
+    add_frontend_args(parser)
+    try:
+        args = parser.parse_args(normalize(sys.argv[1:] if argv is None else argv, parser))
+    except ConfigFileError as exc:
+        parser.error(str(exc))
+    check_frontend_args(parser, args)
     logging.getLogger().setLevel(args.log_level.upper())
     return FrontendConfig(
         engine_address=args.engine,
@@ -250,7 +319,21 @@ def parse_args(argv: list[str] | None = None) -> FrontendConfig:
         reuse_port=args.reuse_port,
         handshake_timeout=args.handshake_timeout,
         shutdown_grace=args.shutdown_grace,
+        stall_timeout=args.stall_timeout,
         ready_file=args.ready_file,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        chat_template=read_chat_template(args.chat_template),
+        response_role=args.response_role,
+        allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        access_log=not args.disable_uvicorn_access_log,
+        http_log_level=args.uvicorn_log_level,
+        log_requests=args.enable_log_requests,
     )
 
 

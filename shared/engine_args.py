@@ -56,6 +56,12 @@ _ENGINE_FLAGS = (
         "help": "torch CPU threads of the engine (tandem serve: cores minus frontends)"}),
     ("--trust-remote-code", {
         "action": "store_true", "help": "allow model code from the model folder"}),
+    ("--generation-config", {
+        "default": "auto",
+        "help": "where requests' sampling defaults come from: 'auto', the model's "
+                "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty "
+                "for the fields a request leaves out, as vLLM does); 'vllm', OpenAI's defaults; "
+                "or a folder holding a generation_config.json"}),
     ("--tensor-parallel-size", {
         "type": int, "default": 1, "help": "GPUs per model: only 1 (Tandem serves on one GPU)"}),
     ("--max-logprobs", {

@@ -80,3 +80,17 @@ def test_disabled_prefix_caching_publishes_nothing():
     tokens = [1, 2, 3, 4, 5]
     publish(bm, tokens)
     assert bm.lookup_prefix(tokens, chain_hashes(tokens, 2)) == []
+
+
+def test_reset_prefix_cache_forgets_every_prefix_and_keeps_blocks_in_use() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2)
+    tokens = [1, 2, 3, 4]
+    hashes = chain_hashes(tokens, 2)
+    blocks = bm.allocate(2)
+    assert blocks is not None
+    bm.cache_full_blocks(blocks, tokens, hashes, num_computed=4, already=0)
+    assert bm.lookup_prefix(tokens + [5], hashes) == blocks
+    bm.reset_prefix_cache()
+    assert bm.lookup_prefix(tokens + [5], hashes) == []
+    bm.free(blocks)
+    assert bm.num_free_blocks == 4

@@ -1,0 +1,87 @@
+"""The frontend's own flags (vLLM's names), shared by `tandem serve`, which passes them on to
+its frontends, and `tandem frontend`, which reads them into its `FrontendConfig`.
+
+Flags that vLLM has and that change nothing here are accepted so that `vllm serve` command
+lines start, and their help says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from frontend.openai.tool_parsers import AUTO_PARSERS
+
+TOOL_CALL_PARSERS = tuple(AUTO_PARSERS)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _json_list(text: str) -> list[str]:
+    value = json.loads(text)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
+_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--enable-auto-tool-choice", {
+        "action": "store_true", "help": 'allow tool_choice "auto" (needs --tool-call-parser)'}),
+    ("--tool-call-parser", {
+        "default": None, "choices": TOOL_CALL_PARSERS,
+        "help": 'how "auto" tool calls are read from the model\'s output'}),
+    ("--chat-template", {
+        "default": None,
+        "help": "a chat template (a file, or the template itself) instead of the tokenizer's"}),
+    ("--response-role", {
+        "default": "assistant", "help": "the role of chat answers"}),
+    ("--allowed-origins", {
+        "type": _json_list, "default": ["*"], "help": "CORS: allowed origins (JSON list)"}),
+    ("--allowed-methods", {
+        "type": _json_list, "default": ["*"], "help": "CORS: allowed methods (JSON list)"}),
+    ("--allowed-headers", {
+        "type": _json_list, "default": ["*"], "help": "CORS: allowed headers (JSON list)"}),
+    ("--allow-credentials", {
+        "action": "store_true", "help": "CORS: allow credentials"}),
+    ("--ssl-keyfile", {"default": None, "help": "serve HTTPS with this private key"}),
+    ("--ssl-certfile", {"default": None, "help": "serve HTTPS with this certificate"}),
+    ("--uvicorn-log-level", {
+        "default": "info", "choices": LOG_LEVELS,
+        "help": "level of the HTTP server's own logs (aiohttp's here; vLLM's name)"}),
+    ("--disable-uvicorn-access-log", {
+        "action": "store_true", "help": "no access-log line per HTTP request"}),
+    ("--enable-log-requests", {
+        "action": "store_true", "help": "log each request's id, prompt length and parameters"}),
+    ("--disable-log-requests", {
+        "action": "store_true", "help": "no-op: requests are not logged unless "
+                                        "--enable-log-requests"}),
+)
+
+
+def add_frontend_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("frontend (vLLM's names)")
+    for flag, kwargs in _FLAGS:
+        group.add_argument(flag, **kwargs)
+
+
+def check_frontend_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags that parse but cannot be served are usage errors."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser "
+                     f"({' or '.join(TOOL_CALL_PARSERS)})")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        parser.error("--ssl-keyfile and --ssl-certfile go together")
+
+
+def frontend_argv(args: argparse.Namespace) -> list[str]:
+    """The frontend flags of parsed `args`, as a frontend command line takes them."""
+    argv: list[str] = []
+    for flag, kwargs in _FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if kwargs.get("action") == "store_true":
+            argv += [flag] if value else []
+        elif isinstance(value, list):
+            argv += [flag, json.dumps(value)]
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
