@@ -8,7 +8,6 @@ import signal
 import time
 
 import aiohttp
-import pytest
 
 from tests.e2e.engine_proc import EngineConn
 from tests.e2e.server import Server
@@ -35,9 +34,6 @@ async def _one_stream(url: str, i: int) -> tuple[str, list[dict], str] | Excepti
         return exc
 
 
-@pytest.mark.skip(reason="failed in the final full run of stop 18 (no request reached the "
-                  "replacement frontend within 60 s, although by hand it serves): "
-                  "to be understood, issue 15")
 async def test_a_killed_frontend_is_replaced_and_its_requests_aborted(tiny_llama, tmp_path):
     srv = Server(tiny_llama, tmp_path, "--api-server-count", "2", "--max-model-len", "2048",
                  "--num-kv-blocks", "1024").wait_healthy()
@@ -57,7 +53,9 @@ async def test_a_killed_frontend_is_replaced_and_its_requests_aborted(tiny_llama
         seen = [await _served_by(srv.url) for _ in range(10)]
         assert victim not in seen
 
-        await _wait_new_frontend(srv.url, first | set(seen), 60)
+        # the replacement may already be among `seen` (it starts in about a second): a
+        # frontend that was not one of the first two is the new one
+        await _wait_new_frontend(srv.url, first, 60)
         restarted = time.monotonic() - killed_at
         await _wait(lambda: conn.stats().frontends_lost >= 1, 15)
         lost = time.monotonic() - killed_at
