@@ -12,22 +12,11 @@ the batch.
 Rows with logit bias, penalties, a pending min_tokens or top-k/top-p/min-p truncation take the
 general path: their logits are copied out of the scan, processed and searched whole.
 
-Constrained rows (structured outputs, engine_core/structured.py) follow their grammars exactly:
-a greedy constrained token is the argmax of the masked raw logits, a sampled one is drawn from
-softmax(masked logits / T). With nothing else to process they stay on the fast path and pay
-for the grammar where it matters: the row's argmax or block-path draw is offered to its
-matcher first (one call for all rows), and kept when accepted, which is rejection sampling and
-so exact (a draw from p, given that the grammar accepts it, follows p restricted to what the
-grammar accepts). Only the rows refused get a token bitmask (filled for all of them in one
-call): a sampled row whose mask allows much draws again until the mask allows the draw (up to
-_RETRIES times), and the rest are drawn exactly from their masked logits (`_draw_masked`: at a
-structural position only the few allowed tokens are looked at, not the vocabulary).
-Constrained rows with bias, penalties or truncation take the general path, their masks (in the
-same fill) applied before anything else. A token a matcher refuses although its mask allowed it
-(xgrammar's mask over-approximates a few tokens) is banned and the row drawn again. Logprobs
-stay the raw model's (vLLM's default `logprobs_mode`, raw_logprobs): the masked distribution is
-not reported, and the scan's logits are never masked in place. A step without a constrained
-row does no grammar work at all.
+Constrained rows (structured outputs) follow their grammars exactly: greedy = argmax of the
+masked raw logits, a draw from softmax(masked logits / T); engine_core/constrained_sampling.py
+does their grammar work, after the fast path's draws and before the general path's processing.
+Logprobs stay the raw model's (vLLM's default `logprobs_mode`, raw_logprobs): the masked
+distribution is not reported. A step without a constrained row does no grammar work at all.
 """
 
 from __future__ import annotations
@@ -38,24 +27,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from engine_core.constrained_sampling import ConstrainedSampler, FastDraws
 from engine_core.lm_head import BLOCK, LMHead, Scan, gather_blocks
 from engine_core.request import Request
-from engine_core.structured import TokenMasker, allowed_ids, allows, apply_bitmask, is_broad
 from shared.step_outputs import Logprobs
 
 _GREEDY_EPS = 1e-5
-_MAX_REDRAWS = 64  # tokens a constrained row may draw and see refused before it is given up
-# A sampled constrained row whose unconstrained draw the grammar refuses draws again up to
-# _RETRIES times (a new uniform each, from the scan's block sums: cheap) when at least _BROAD
-# of its mask words allow a token; otherwise, or when still refused, it takes the exact masked
-# draw, which copies the whole row for a broad mask and reads only the allowed tokens else.
-_RETRIES = 8
-# Offering each constrained row's unmasked draw to its matcher first (and keeping it when
-# accepted) skips most mask fills, but produced JSON with a raw control character inside a
-# string in tests/e2e/test_structured.py (matcher and mask disagree somewhere): off until
-# understood. Every constrained row is then masked before its draw, as the contract requires.
-OFFER_FIRST = False
-_BROAD = 0.25
 
 
 class SamplerOutput(NamedTuple):
@@ -90,27 +67,12 @@ def _logprobs(head: LMHead, scan: Scan, rows: torch.Tensor, tokens: torch.Tensor
                        top_ids.numpy().astype(np.int32), top_lps.numpy().astype(np.float32))
 
 
-def _masked_candidates(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor,
-                       dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids [n, m] and their raw logits on the CPU, -inf where the mask disallows them, for
-    `rows`: `dense`, every token of the row (one masked copy); else only the allowed ones."""
-    at = logits.device
-    if dense:
-        vals = logits[rows.to(at)]
-        apply_bitmask(vals, bitmask[rows])
-        return torch.arange(vals.shape[1]).expand(len(rows), -1), vals.cpu()
-    allowed = allowed_ids(bitmask[rows], logits.shape[1])
-    vals = logits[rows.to(at)[:, None], allowed.ids.to(at)].cpu()
-    return allowed.ids, vals.masked_fill_(~allowed.valid, -float("inf"))
-
-
 class _Plan(NamedTuple):
     """Which rows of a step take which path."""
 
     general: list[int]  # bias, penalties, min_tokens or truncation: logits copied out
     fast_sampled: list[int]  # the rest that sample: the scan's block sums
-    constrained: list[int]  # every row with a grammar
-    masked: list[int]  # constrained rows on the fast path (greedy or sampled)
+    constrained: list[int]  # constrained rows on the fast path (greedy or sampled)
     general_constrained: list[int]  # constrained rows on the general path
 
     @staticmethod
@@ -120,24 +82,15 @@ class _Plan(NamedTuple):
         fast_sampled = [i for i, r in enumerate(reqs)
                         if r.params.temperature >= _GREEDY_EPS and i not in skip]
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        masked = [i for i in constrained if i not in skip]
-        return _Plan(general, fast_sampled, constrained, masked,
+        return _Plan(general, fast_sampled, [i for i in constrained if i not in skip],
                      [i for i in constrained if i in skip])
-
-
-class _Draws(NamedTuple):
-    """The fast path's sampled rows (scan rows, in the order of the scan's block sums) and their
-    temperatures."""
-
-    rows: torch.Tensor
-    temps: torch.Tensor
 
 
 class Sampler:
     def __init__(self, eos_token_ids: Sequence[int], seed: int = 0) -> None:
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator().manual_seed(seed)
-        self._masker: TokenMasker | None = None  # made at the first constrained row
+        self._constrained: ConstrainedSampler | None = None  # made at the first constrained row
 
     def __call__(self, head: LMHead, hidden: torch.Tensor,
                  reqs: Sequence[Request]) -> SamplerOutput:
@@ -145,25 +98,21 @@ class Sampler:
         plan = _Plan.of(reqs, head.vocab)
         lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         k = max((reqs[i].params.logprobs or 0 for i in lp_rows), default=0)
-        fast = torch.tensor(plan.fast_sampled, dtype=torch.int64)
-        temps = torch.tensor([reqs[i].params.temperature for i in plan.fast_sampled])
-        scan = head.scan(hidden, lse=bool(lp_rows), top_k=k,
-                         sample_rows=fast if plan.fast_sampled else None, temperatures=temps)
+        fast = FastDraws(torch.tensor(plan.fast_sampled, dtype=torch.int64),
+                         torch.tensor([reqs[i].params.temperature for i in plan.fast_sampled]))
+        scan = head.scan(hidden, lse=bool(lp_rows), top_k=k, temperatures=fast.temps,
+                         sample_rows=fast.rows if plan.fast_sampled else None)
         tokens = scan.argmax.clone()  # greedy rows are done
         if plan.fast_sampled:
             assert scan.block_sums is not None
-            tokens[fast] = self._draw_from_blocks(scan, scan.block_sums, fast, temps,
-                                                  [reqs[i] for i in plan.fast_sampled])
+            tokens[fast.rows] = self.draw_from_blocks(scan, scan.block_sums, fast.rows,
+                                                      fast.temps,
+                                                      [reqs[i] for i in plan.fast_sampled])
         bitmask = None
-        if plan.constrained:
-            self._masker = self._masker or TokenMasker()
-            refused = self._accept_drawn(plan.masked, tokens, reqs)
-            bitmask = self._fill_masks(reqs, sorted(refused + plan.general_constrained),
-                                       head.vocab)
-            if refused:
-                assert bitmask is not None
-                self._constrain(scan, bitmask, torch.tensor(refused), tokens, reqs,
-                                _Draws(fast, temps))
+        if plan.constrained or plan.general_constrained:
+            self._constrained = self._constrained or ConstrainedSampler(self)
+            bitmask = self._constrained.constrain(scan, tokens, reqs, plan.constrained,
+                                                  plan.general_constrained, fast)
         if plan.general:
             idx = torch.tensor(plan.general, dtype=torch.int64)
             logits = scan.logits[idx.to(scan.logits.device)].cpu()
@@ -193,8 +142,8 @@ class Sampler:
                 u[j] = torch.rand(1, generator=req.generator)
         return u
 
-    def _draw_from_blocks(self, scan: Scan, block_sums: torch.Tensor, rows: torch.Tensor,
-                          temps: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    def draw_from_blocks(self, scan: Scan, block_sums: torch.Tensor, rows: torch.Tensor,
+                         temps: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         """Draw for `rows` of the scan (their `block_sums` and temperatures) by the two-level
         inverse CDF: a block from the sums, a token from the block's 256 logits."""
         block, rest = _pick_block(block_sums, self._uniforms(reqs))
@@ -202,126 +151,23 @@ class Sampler:
         weights = ((vals - scan.max[rows, None]) / temps[:, None]).exp_()
         return (block * BLOCK + _pick_within(weights, rest)).clamp_(max=scan.logits.shape[1] - 1)
 
-    def _accept_drawn(self, rows: Sequence[int], tokens: torch.Tensor,
-                      reqs: Sequence[Request]) -> list[int]:
-        """Offer the constrained fast-path `rows`' tokens (argmax or unconstrained draw) to
-        their matchers, in one call; the rows whose matcher refused (and stayed as it was)."""
-        if not rows or not OFFER_FIRST:
-            return list(rows)
-        assert self._masker is not None
-        grammars = [g for g in (reqs[i].grammar for i in rows) if g is not None]
-        accepted = self._masker.accept(grammars, tokens[rows].tolist())
-        return [i for i, ok in zip(rows, accepted, strict=True) if not ok]
-
-    def _constrain(self, scan: Scan, bitmask: torch.Tensor, rows: torch.Tensor,
-                   tokens: torch.Tensor, reqs: Sequence[Request], draws: _Draws) -> None:
-        """New tokens for the constrained fast-path `rows` whose first token the matcher
-        refused, exactly under their masks, then their matchers advanced. Sampled rows with a
-        broad mask draw again while the mask refuses (rejection sampling: the accepted draw
-        follows the masked distribution however many were refused, and so does the exact
-        draw that ends the tries); the rest draw from their masked logits."""
-        broad = is_broad(bitmask[rows], _BROAD)
-        left = self._retry(scan, bitmask, rows, broad, tokens, reqs, draws)
-        if bool(left.any()):
-            tokens[rows[left]] = self._draw_masked(scan.logits, bitmask, rows[left], broad[left],
-                                                   reqs)
-        self._advance_masked(scan, bitmask, rows, tokens, reqs)
-
-    def _retry(self, scan: Scan, bitmask: torch.Tensor, rows: torch.Tensor, broad: torch.Tensor,
-               tokens: torch.Tensor, reqs: Sequence[Request], draws: _Draws) -> torch.Tensor:
-        """Draw again from the scan's block sums for the sampled ones of `rows` whose masks are
-        `broad`, up to _RETRIES times, keeping the first draw the mask allows; which of `rows`
-        are still without one (bool). Whether a row retries depends on its mask only, never on
-        what it drew."""
-        left = torch.ones(len(rows), dtype=torch.bool)
-        if not len(draws.rows):
-            return left
-        position = torch.full((len(tokens),), -1, dtype=torch.int64)
-        position[draws.rows] = torch.arange(len(draws.rows))
-        again = torch.nonzero((position[rows] >= 0) & broad)[:, 0]  # indices into rows
-        sums = scan.block_sums
-        for _ in range(_RETRIES):
-            if not len(again) or sums is None:
-                break
-            at, scan_rows = position[rows[again]], rows[again]
-            drawn = self._draw_from_blocks(scan, sums[at], scan_rows, draws.temps[at],
-                                           [reqs[i] for i in scan_rows.tolist()])
-            tokens[scan_rows] = drawn
-            ok = allows(bitmask, scan_rows, drawn)
-            left[again[ok]] = False
-            again = again[~ok]
-        return left
-
-    def _draw_masked(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor,
-                     broad: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        """Exact tokens for `rows` from their masked raw logits: the argmax for a greedy row,
-        else a draw from softmax(masked logits / T), the masked distribution itself. A narrow
-        mask's row looks at its allowed tokens only; a broad one's at its whole row, masked."""
-        tokens = torch.empty(len(rows), dtype=torch.int64)
-        for part, dense in ((broad, True), (~broad, False)):
-            if bool(part.any()):
-                ids, vals = _masked_candidates(logits, bitmask, rows[part], dense)
-                picked = [reqs[i] for i in rows[part].tolist()]
-                tokens[part] = ids.gather(1, self._pick_among(vals, picked)[:, None])[:, 0]
-        return tokens
-
-    def _pick_among(self, vals: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        """Per row of masked logits (-inf where disallowed), the column of the argmax (the first
-        of equal maxima, as torch.argmax over the row) or of a draw from softmax(vals / T)."""
-        picks = vals.argmax(-1)
-        temps = torch.tensor([r.params.temperature for r in reqs])
-        # (a row that allows nothing keeps a column its matcher refuses: see _advance_masked)
-        rand = torch.nonzero((temps >= _GREEDY_EPS) & (vals.amax(-1) > -float("inf")))[:, 0]
-        if len(rand):
-            v = vals[rand]
-            weights = ((v - v.amax(-1, keepdim=True)) / temps[rand, None]).exp_()
-            picks[rand] = inverse_cdf(weights, self._uniforms([reqs[int(i)] for i in rand]))
-        return picks
-
-    def _advance_masked(self, scan: Scan, bitmask: torch.Tensor, rows: torch.Tensor,
-                        tokens: torch.Tensor, reqs: Sequence[Request]) -> None:
-        """Advance the matchers of `rows` past their masked tokens, in one call; a token the
-        matcher refuses although its mask allowed it is drawn again (_advance_grammar)."""
-        assert self._masker is not None
-        picked = rows.tolist()
-        grammars = [g for g in (reqs[i].grammar for i in picked) if g is not None]
-        accepted = self._masker.accept(grammars, tokens[rows].tolist())
-        for i, ok in zip(picked, accepted, strict=True):
-            if not ok:
-                row = scan.logits[i:i + 1].to("cpu", copy=True)
-                apply_bitmask(row, bitmask[i:i + 1])
-                row[0, tokens[i]] = -float("inf")
-                redrawn = int(self._draw_processed(row, [reqs[i]])[0])
-                tokens[i] = self._advance_grammar(row, reqs[i], redrawn)
-
     def _draw_general(self, logits: torch.Tensor, reqs: Sequence[Request],
                       bitmask: torch.Tensor | None) -> torch.Tensor:
         """Rows with bias, penalties, min_tokens or truncation (`bitmask`: their rows of the
         step's bitmask, when the step has constrained rows): mask, process, draw, advance."""
         if bitmask is not None:
-            self._mask(logits, reqs, bitmask)
+            ConstrainedSampler.mask_general(logits, reqs, bitmask)
         for i, req in enumerate(reqs):
             self._process_row(logits[i], req)
-        tokens = self._draw_processed(logits, reqs)
-        for i, req in enumerate(reqs):
-            if req.grammar is not None:
-                tokens[i] = self._advance_grammar(logits[i:i + 1], req, int(tokens[i]))
+        tokens = self.draw_processed(logits, reqs)
+        if bitmask is not None:
+            assert self._constrained is not None
+            self._constrained.advance_general(logits, reqs, tokens)
         return tokens
 
-    def _advance_grammar(self, logits: torch.Tensor, req: Request, token: int) -> int:
-        """Advance the request's matcher past its drawn token. The mask may let through a token
-        the matcher then refuses (xgrammar over-approximates some tokens that end inside a
-        UTF-8 character, e.g. under a regex): ban it and draw again."""
-        assert req.grammar is not None
-        for _ in range(_MAX_REDRAWS):
-            if req.grammar.accept(token):
-                return token
-            logits[0, token] = -float("inf")
-            token = int(self._draw_processed(logits, [req])[0])
-        req.grammar.lost = True  # the scheduler ends the request
-        return token
-
-    def _draw_processed(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    def draw_processed(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+        """A token per row of `logits`: the argmax for a greedy row, else a draw from
+        softmax(logits / T) after the request's top-k, top-p and min-p."""
         temps = torch.tensor([r.params.temperature for r in reqs], dtype=logits.dtype)
         tokens = logits.argmax(-1)
         rand = torch.nonzero(temps >= _GREEDY_EPS)[:, 0]
@@ -330,26 +176,6 @@ class Sampler:
             weights = _truncated_probs(scaled, [reqs[int(i)] for i in rand])
             tokens[rand] = inverse_cdf(weights, self._uniforms([reqs[int(i)] for i in rand]))
         return tokens
-
-    def _fill_masks(self, reqs: Sequence[Request], rows: Sequence[int],
-                    vocab: int) -> torch.Tensor | None:
-        """The step's bitmask, one row per request, filled in one call for the constrained
-        `rows` (all tokens allowed elsewhere); None, and no fill, when `rows` is empty."""
-        if not rows:
-            return None
-        assert self._masker is not None
-        grammars = [g for g in (reqs[i].grammar for i in rows) if g is not None]
-        return self._masker.fill(len(reqs), vocab, rows, grammars)
-
-    @staticmethod
-    def _mask(logits: torch.Tensor, reqs: Sequence[Request], bitmask: torch.Tensor) -> None:
-        """Apply the constrained rows' masks (the rows of `logits` and `bitmask` are `reqs`)."""
-        rows = torch.tensor([i for i, r in enumerate(reqs) if r.grammar is not None],
-                            dtype=torch.int64)
-        if len(rows):
-            masked = logits[rows]
-            apply_bitmask(masked, bitmask[rows])
-            logits[rows] = masked
 
     def _process_row(self, row: torch.Tensor, req: Request) -> None:
         p = req.params

@@ -14,12 +14,16 @@ engine that never sees a constraint never loads it (nor builds its tokenizer tab
   valid as it is.
 - `TokenMasker` fills one bitmask row per constrained row of a step, all rows in one call,
   and advances their matchers in one call; `allows`, `is_broad`, `apply_bitmask` and
-  `allowed_ids` read a bitmask (the sampler's masked draws, engine_core/sampler.py).
+  `allowed_ids` read a bitmask (the masked draws, engine_core/constrained_sampling.py).
 
 JSON whitespace: with unbounded whitespace a model can loop on whitespace tokens until
 max_tokens (vLLM #38696), so each gap between JSON tokens holds at most MAX_WHITESPACE
 characters; `any_whitespace=False` keeps only the single spaces of the separators ", " and ": ".
 Object properties a schema does not list are never generated (xgrammar's strict mode).
+
+A JSON string with `minLength`/`maxLength` is one JSON character per repetition: xgrammar (0.2.9)
+lowers it to a class that lets raw control characters in, which is not JSON, and no escape
+(mlc-ai/xgrammar#800), so `json_schema_grammar` rewrites that rule of its grammar.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -109,12 +113,11 @@ _NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": 
 
 def _compile_with(compiler: xgrammar.GrammarCompiler,
                   c: StructuredOutput) -> xgrammar.CompiledGrammar:
-    ws: dict[str, Any] = {"any_whitespace": c.any_whitespace,
-                          "max_whitespace_cnt": MAX_WHITESPACE if c.any_whitespace else None}
     if c.kind == "json":
-        return compiler.compile_json_schema(c.spec, strict_mode=True, **ws)
+        return compiler.compile_grammar(json_schema_grammar(c.spec, True, c.any_whitespace))
     if c.kind == "json_object":  # any object: extra properties are the point here
-        return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **ws)
+        return compiler.compile_grammar(
+            json_schema_grammar('{"type": "object"}', False, c.any_whitespace))
     if c.kind == "regex":
         return compiler.compile_regex(c.spec)
     if c.kind == "choice":
@@ -122,6 +125,28 @@ def _compile_with(compiler: xgrammar.GrammarCompiler,
     if c.kind == "grammar":
         return compiler.compile_grammar(c.spec)
     raise ValueError(f"unknown constraint kind {c.kind!r} (expected one of {', '.join(KINDS)})")
+
+
+# The rule of one character of a length-bounded JSON string, as xgrammar writes it, and what it
+# becomes: a character JSON allows unescaped, or one escape (\uXXXX outside the surrogates, so
+# that each repetition is one character of the decoded string, as maxLength counts them).
+_BOUNDED_CHARACTER = re.compile(r"^(\w+) ::= " + re.escape(r'(([^\"\\\r\n]))') + "$",
+                                re.MULTILINE)
+_JSON_CHARACTER = (r'([^\0-\x1f\"\\] | "\\" [\"\\/bfnrt]'
+                   r' | "\\u" ([0-9A-Ca-cE-Fe-f] [0-9A-Fa-f]{3} | [Dd] [0-7] [0-9A-Fa-f]{2}))')
+
+
+def json_schema_grammar(schema: str, strict: bool, any_whitespace: bool) -> xgrammar.Grammar:
+    """xgrammar's grammar for a JSON schema, whitespace bounded (`any_whitespace`: up to
+    MAX_WHITESPACE characters per gap, else the separators' single spaces), each character of a
+    length-bounded string one JSON character (see the module docstring)."""
+    import xgrammar
+
+    grammar = xgrammar.Grammar.from_json_schema(
+        schema, strict_mode=strict, any_whitespace=any_whitespace,
+        max_whitespace_cnt=MAX_WHITESPACE if any_whitespace else None)
+    ebnf = _BOUNDED_CHARACTER.sub(lambda rule: f"{rule[1]} ::= {_JSON_CHARACTER}", str(grammar))
+    return xgrammar.Grammar.from_ebnf(ebnf)
 
 
 def choice_grammar(choices: Sequence[str]) -> str:

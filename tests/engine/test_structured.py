@@ -5,7 +5,8 @@ unconstrained, so every valid output below is the grammar's doing.
   (`jsonschema`, independent of the grammar engine), a regex full-matches (Python's `re`), a
   choice is one of the choices, a grammar's output parses; a "length" output is a prefix the
   grammar accepts.
-- Greedy = argmax of the raw logits under the mask, and logprobs are the raw model's.
+- Every token is one its mask allowed; greedy = argmax of the raw logits under the mask, and
+  logprobs are the raw model's.
 - Preemption, a blocked compiler, refusals and a mixed burst leave nothing behind.
 """
 
@@ -80,10 +81,16 @@ def text_of(tok: Any, result: Collected) -> str:
 
 
 def accepted_prefix(core: EngineCore, constraint: StructuredOutput, tokens: list[int]) -> bool:
-    """Whether a fresh matcher of the constraint accepts every one of `tokens`."""
+    """Whether a fresh matcher of the constraint allows (its mask) and accepts every one of
+    `tokens`."""
     grammar = core.grammars.grammar_for(constraint)
     grammar.wait(30)
-    return all(grammar.accept(t) for t in tokens)
+    bitmask = xgrammar.allocate_token_bitmask(1, core.facts.vocab_size)
+    for t in tokens:
+        grammar.matcher.fill_next_token_bitmask(bitmask)
+        if not (int(bitmask[0, t // 32]) >> (t % 32)) & 1 or not grammar.accept(t):
+            return False
+    return True
 
 
 def assert_complete_or_prefix(core: EngineCore, constraint: StructuredOutput, result: Collected,
@@ -170,6 +177,40 @@ def _arithmetic(text: str) -> bool:
         return expr(0) == len(text)
     except (AssertionError, IndexError):
         return False
+
+
+def raw_control_in_a_string(text: str) -> bool:
+    """Whether a JSON text holds a raw control character (U+0000-U+001F) inside a string."""
+    inside = escaped = False
+    for ch in text:
+        if inside and ord(ch) < 0x20:
+            return True
+        if ch == '"' and not escaped:
+            inside = not inside
+        escaped = inside and ch == "\\" and not escaped
+    return False
+
+
+BOUNDED = {"type": "object", "additionalProperties": False, "required": ["name", "code"],
+           "properties": {"name": {"type": "string", "minLength": 8, "maxLength": 16},
+                          "code": {"type": "string", "maxLength": 4}}}
+
+
+def test_length_bounded_strings_hold_no_raw_control_character(core, tok, prompt):
+    """xgrammar lets raw control characters into a string with minLength/maxLength (not JSON);
+    a tab the model is biased towards goes only where JSON allows it, between tokens."""
+    tab = 197
+    assert tok.decode([tab]) == "\t"
+    constraint = json_constraint(BOUNDED)
+    for i, temperature in enumerate((0.0, 0.7, 1.0)):
+        core.add_request(f"t{i}", prompt, SamplingParams(
+            max_tokens=120, temperature=temperature, seed=i, logit_bias={tab: 8.0},
+            structured=constraint))
+    for result in run(core).values():
+        text = text_of(tok, result)
+        assert result.finish == "stop" and "\t" in text and not raw_control_in_a_string(text)
+        jsonschema.validate(json.loads(text), BOUNDED)
+        assert accepted_prefix(core, constraint, result.token_ids)
 
 
 def test_greedy_is_the_argmax_of_the_masked_raw_logits(core, prompt):

@@ -224,6 +224,24 @@ def test_constrained_greedy_is_the_masked_argmax():
     assert sample(logits, constrained(1, "[a-f]+", temperature=0.0)).tolist() == [301]
 
 
+def test_a_token_the_grammar_accepts_as_drawn_needs_no_mask(monkeypatch):
+    """The fast path: rows whose argmax their grammar accepts keep it, no mask filled; the rows
+    refused get their masks in one fill, and the masked argmax."""
+    fills: list[list[int]] = []
+    real = TokenMasker.fill
+
+    def counted(self, rows, vocab, constrained, grammars):
+        fills.append(list(constrained))
+        return real(self, rows, vocab, constrained, grammars)
+
+    monkeypatch.setattr(TokenMasker, "fill", counted)
+    logits = constrained_logits()
+    logits[301] = 9.0  # a letter token leads: "[a-f]+" accepts it, "f+" does not
+    reqs = constrained(2, "[a-f]+", temperature=0.0) + constrained(2, "f+", temperature=0.0)
+    assert sample(logits, reqs).tolist() == [301, 301, 35, 35]  # "ff": the best "f+" allows
+    assert fills == [[2, 3]]
+
+
 def test_a_token_the_mask_allows_but_the_matcher_refuses_is_drawn_again(monkeypatch):
     """xgrammar's mask may allow a token its matcher then refuses: here the matcher refuses
     "ff" (35), the best allowed token; the row is drawn again without it."""
