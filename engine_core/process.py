@@ -7,9 +7,11 @@ Threads:
   hands it over an inproc socket. A frame that does not decode, or that fails in any other way,
   is logged and dropped: no input ends the thread.
 - encoder thread: output queue -> msgpack frames, off the busy loop.
-- main thread, the busy loop: 1. take new/aborted requests, 2. step the engine, 3. queue the
-  outputs per frontend, 4. now and then, abort the requests of frontends gone silent. With
-  nothing to do it waits on the input queue; it never spins.
+- main thread, the busy loop: 1. take new/aborted requests, 2. queue their refusals (a full
+  waiting queue, a bad request) at once, 3. step the engine, 4. queue the outputs per
+  frontend, 5. now and then, abort the requests of frontends gone silent. With nothing to do
+  it waits on the input queue; it never spins. Each frontend's messages leave in the order
+  they were queued: a refused request has no other output to pass.
 
 Frontends' latency reports (MetricsReport) are added up here and returned with "stats", so a
 scrape of any frontend shows the whole server (engine_core/metrics.py).
@@ -39,6 +41,7 @@ from shared.messages import (
     Hello,
     MetricsReport,
     Ready,
+    StepOutputs,
     StopRequest,
     UtilityRequest,
     UtilityResult,
@@ -79,10 +82,17 @@ class EngineProcess:
         threading.Thread(target=self._encode_loop, name="engine-encode", daemon=True).start()
         log.info("engine listening on %s", self.listen)
         while not self.stop_requested:
-            self._take_inputs(block=not self.core.has_work)
-            if self.core.has_work:
-                self._step()
-            self._reap_lost_frontends()
+            self._turn()
+
+    def _turn(self) -> None:
+        """One turn of the busy loop. A refusal is queued as soon as its request is taken,
+        not with the next step's outputs: a 503 then waits at most for the rest of the step
+        running when its request came, never for a whole step more."""
+        self._take_inputs(block=not self.core.has_work)
+        self._send(self.core.take_refusals())
+        if self.core.has_work:
+            self._step()
+        self._reap_lost_frontends()
 
     def stop(self) -> None:
         """Ask the loop to end (safe from a signal handler: it only sets a flag)."""
@@ -98,6 +108,9 @@ class EngineProcess:
             self.core.counts.step_errors += 1
             outputs = {}
         self.progress.step_finished()
+        self._send(outputs)
+
+    def _send(self, outputs: dict[bytes, StepOutputs]) -> None:
         for owner, out in outputs.items():
             self.outputs.put((owner, out))
 

@@ -1,8 +1,8 @@
 """OpenAI-shaped errors and the aiohttp middleware that renders every failure as one.
 
 Every error leaves the server as `{"error": {"message", "type", "param", "code"}}` with a
-matching HTTP status. Bad input (undecodable JSON, wrong types, out-of-range values) is always
-a 4xx, never a 500.
+matching HTTP status. Bad input (undecodable JSON, wrong types, out-of-range values, nesting
+deeper than Python can recurse) is always a 4xx, never a 500.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ _TYPE_BY_STATUS = {
     403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     422: "UnprocessableEntityError",
     429: "RateLimitError",
@@ -104,6 +105,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return from_validation_error(exc).to_response()
     except msgspec.DecodeError as exc:
         return bad_request(f"The request body is not valid JSON: {exc}").to_response()
+    except RecursionError:  # JSON, a schema or tools nested deeper than Python recurses
+        logger.warning("refused %s %s: nested too deeply", request.method, request.path)
+        return bad_request("The request is nested too deeply to be read; flatten its "
+                           "JSON (arrays and objects inside one another).").to_response()
     except web.HTTPRedirection:
         raise
     except web.HTTPException as exc:

@@ -2,7 +2,8 @@
 its frontends, and `tandem frontend`, which reads them into its `FrontendConfig`.
 
 Flags that vLLM has and that change nothing here are accepted so that `vllm serve` command
-lines start, and their help says so.
+lines start, and their help says so. The HTTP limits (`frontend/http_limits.py`) have no vLLM
+equivalent and take Tandem's names.
 """
 
 from __future__ import annotations
@@ -58,10 +59,29 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 
 
+_LIMIT_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--max-request-body-bytes", {
+        "type": int, "default": None,
+        "help": "largest request body accepted, else 413 (default: 64 bytes per token of the "
+                "model's context, at least 1 MiB)"}),
+    ("--http-read-timeout", {
+        "type": float, "default": 30.0,
+        "help": "seconds a client has to send a request's headers (from its connection or the "
+                "previous answer; idle connections close after it too), then its body"}),
+    ("--http-write-timeout", {
+        "type": float, "default": 60.0,
+        "help": "seconds a stream's client may take nothing before the stream is closed and "
+                "its requests aborted"}),
+)
+
+
 def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("frontend (vLLM's names)")
     for flag, kwargs in _FLAGS:
         group.add_argument(flag, **kwargs)
+    limits = parser.add_argument_group("frontend HTTP limits (Tandem's names)")
+    for flag, kwargs in _LIMIT_FLAGS:
+        limits.add_argument(flag, **kwargs)
 
 
 def check_frontend_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -71,12 +91,16 @@ def check_frontend_args(parser: argparse.ArgumentParser, args: argparse.Namespac
                      f"({' or '.join(TOOL_CALL_PARSERS)})")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         parser.error("--ssl-keyfile and --ssl-certfile go together")
+    if args.max_request_body_bytes is not None and args.max_request_body_bytes < 1:
+        parser.error("--max-request-body-bytes must be positive")
+    if min(args.http_read_timeout, args.http_write_timeout) <= 0:
+        parser.error("--http-read-timeout and --http-write-timeout must be positive")
 
 
 def frontend_argv(args: argparse.Namespace) -> list[str]:
     """The frontend flags of parsed `args`, as a frontend command line takes them."""
     argv: list[str] = []
-    for flag, kwargs in _FLAGS:
+    for flag, kwargs in _FLAGS + _LIMIT_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
         if kwargs.get("action") == "store_true":
             argv += [flag] if value else []

@@ -1,7 +1,8 @@
 """The frontend process: an aiohttp app speaking OpenAI's HTTP API to one engine core.
 
 `init_app(config)` builds the app: routes, Bearer auth, /health, /version, /v1/models and the
-/metrics handler here; the OpenAI APIs in `frontend.openai`. Its cleanup context connects the
+/metrics handler here; the OpenAI APIs in `frontend.openai`; what one client may cost (body
+size, read and write timeouts) in `frontend.http_limits`. Its cleanup context connects the
 EngineClient (Hello/Ready), loads the tokenizer the engine names, settles the `ServedModel`, and
 closes everything on shutdown. `run_frontend(config)` serves it until SIGTERM/SIGINT, then stops
 accepting and gives in-flight requests `config.shutdown_grace` seconds to finish.
@@ -31,13 +32,14 @@ from aiohttp import web
 from frontend.cors import cors_middleware
 from frontend.engine.client import EngineClient, EngineUnavailableError
 from frontend.errors import Handler, OpenAIError, error_middleware
+from frontend.http_limits import HTTP_LIMITS, HttpLimits, body_limit, body_middleware
 from frontend.metrics import CONTENT_TYPE, render
 from frontend.openai.chat import ServingChat
 from frontend.openai.completions import ServingCompletions
 from frontend.openai.plan import REQUEST_LOG
 from frontend.openai.protocol import ModelList
 from frontend.openai.served_model import ServedModel, read_chat_template, use_chat_template
-from frontend.openai.serving import json_response
+from frontend.openai.serving import RETRY_AFTER_S, json_response
 from frontend.openai.tokens import ServingTokens
 from frontend.options import add_frontend_args, check_frontend_args
 from frontend.text.tokenizer import load_tokenizer
@@ -61,7 +63,9 @@ class FrontendConfig:
     silence_timeout: float = 1.25  # with the ping spacing: a dead engine shows within 2 s
     stall_timeout: float = 10.0  # least time a busy engine may finish no step (x5 slowest step)
     shutdown_grace: float = 30.0
-    max_body_bytes: int = 64 * 2**20
+    max_request_body_bytes: int | None = None  # None: sized to the model (http_limits.py)
+    http_read_timeout: float = 30.0  # to send a request's headers, then its body
+    http_write_timeout: float = 60.0  # a stream whose client takes nothing this long is closed
     ready_file: str | None = None  # touched once listening (the launcher waits for it)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     tool_call_parser: str | None = None  # "hermes" | "llama3_json"
@@ -98,10 +102,7 @@ def init_app(
     """The frontend app; the engine handshake happens at startup (in cleanup_ctx)."""
     cors = cors_middleware(config.allowed_origins, config.allowed_methods,
                            config.allowed_headers, config.allow_credentials)
-    app = web.Application(
-        middlewares=[cors, error_middleware, auth_middleware],
-        client_max_size=config.max_body_bytes,
-    )
+    app = web.Application(middlewares=[cors, error_middleware, auth_middleware, body_middleware])
     app[CONFIG] = config
     app.cleanup_ctx.append(partial(engine_context, tokenizer_loader=tokenizer_loader))
     app.on_response_prepare.append(add_frontend_header)
@@ -142,6 +143,9 @@ async def engine_context(
         served = ServedModel.from_ready(tokenizer, ready, config.served_model_name)
         app[ENGINE] = client
         app[SERVED] = served
+        app[HTTP_LIMITS] = HttpLimits(
+            body_limit(ready.max_model_len, config.max_request_body_bytes),
+            config.http_read_timeout, config.http_write_timeout)
         app[COMPLETIONS] = ServingCompletions(client, served)
         app[CHAT] = ServingChat(client, served, config.auto_tool_parser, config.response_role)
         app[TOKENS] = ServingTokens(served, ready.tokenizer)
@@ -162,8 +166,9 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     stays open."""
     key = request.app[CONFIG].api_key
     if key and (request.path.startswith("/v1/") or request.path == "/reset_prefix_cache"):
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        given = request.headers.get("Authorization", "")  # undecodable bytes: surrogates
+        if not hmac.compare_digest(given.encode(errors="surrogateescape"),
+                                   f"Bearer {key}".encode()):
             raise OpenAIError(
                 401,
                 "Invalid or missing API key (send 'Authorization: Bearer <key>').",
@@ -179,7 +184,7 @@ async def add_frontend_header(request: web.Request, response: web.StreamResponse
 async def add_retry_after(request: web.Request, response: web.StreamResponse) -> None:
     """Every 503 (engine down or waiting queue full) tells the client when to try again."""
     if response.status == 503:
-        response.headers.setdefault("Retry-After", "1")
+        response.headers.setdefault("Retry-After", str(RETRY_AFTER_S))
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
@@ -248,11 +253,7 @@ async def serve(config: FrontendConfig) -> None:
     logging.getLogger("aiohttp").setLevel(http_level)
     request_level = logging.INFO if config.log_requests else logging.WARNING
     logging.getLogger(REQUEST_LOG).setLevel(request_level)
-    app = init_app(config)
-    runner = (web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.shutdown_grace)
-              if config.access_log else
-              web.AppRunner(app, handler_cancellation=True, shutdown_timeout=config.shutdown_grace,
-                            access_log=None))
+    runner = web.AppRunner(init_app(config), **runner_options(config))
     await runner.setup()  # connects to the engine; raises if it does not answer
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -272,6 +273,17 @@ async def serve(config: FrontendConfig) -> None:
         logger.info("shutting down: no new connections, %g s grace", config.shutdown_grace)
     finally:
         await runner.cleanup()
+
+
+def runner_options(config: FrontendConfig) -> dict[str, Any]:
+    """The HTTP server's settings. aiohttp's keep-alive timer is the header timeout too: it
+    closes a connection that has not sent a whole request's headers within the bound."""
+    options: dict[str, Any] = {"handler_cancellation": True,
+                               "shutdown_timeout": config.shutdown_grace,
+                               "keepalive_timeout": config.http_read_timeout}
+    if not config.access_log:
+        options["access_log"] = None
+    return options
 
 
 def ssl_context(config: FrontendConfig) -> ssl.SSLContext | None:
@@ -334,6 +346,9 @@ def parse_args(argv: list[str] | None = None) -> FrontendConfig:
         access_log=not args.disable_uvicorn_access_log,
         http_log_level=args.uvicorn_log_level,
         log_requests=args.enable_log_requests,
+        max_request_body_bytes=args.max_request_body_bytes,
+        http_read_timeout=args.http_read_timeout,
+        http_write_timeout=args.http_write_timeout,
     )
 
 

@@ -33,7 +33,7 @@ from frontend.openai.protocol_chat import (
     top_logprobs,
 )
 from frontend.openai.served_model import ServedModel
-from frontend.openai.serving import collect_choices, json_response, stream_choices
+from frontend.openai.serving import collect_choices, json_response, prepare, stream_choices
 from frontend.openai.tool_calls import ChoiceTools, ToolPlan, read_tool_plan, template_messages
 from frontend.text.logprob_text import TokenTextCache
 from frontend.text.output_processor import ChoiceDelta, GeneratedToken, merge_deltas
@@ -57,16 +57,19 @@ class ServingChat:
         self.response_role = response_role  # the role chat answers carry
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        req = decode_request(await request.read(), ChatCompletionRequest,
-                             self.served.sampling_defaults)
-        check_chat_request(req)
-        tools = read_tool_plan(req, self.auto_tool_parser)
-        plan = self.plan(req, tools)
+        req, tools, plan = await prepare(await request.read(), self.read)
         if req.stream:
             if tools.active:
                 return await self._stream_tools(request, req, plan, tools)
             return await self._stream(request, req, plan)
         return await self._complete(req, plan, tools)
+
+    def read(self, body: bytes) -> tuple[ChatCompletionRequest, ToolPlan, RequestPlan]:
+        """Decode, check, render, tokenize and plan a request body; raises a 4xx."""
+        req = decode_request(body, ChatCompletionRequest, self.served.sampling_defaults)
+        check_chat_request(req)
+        tools = read_tool_plan(req, self.auto_tool_parser)
+        return req, tools, self.plan(req, tools)
 
     def plan(self, req: ChatCompletionRequest, tools: ToolPlan = NO_TOOLS) -> RequestPlan:
         """Check, render and plan every choice; raises a 4xx OpenAIError."""

@@ -23,7 +23,7 @@ from frontend.openai.protocol import (
     decode_request,
 )
 from frontend.openai.served_model import ServedModel
-from frontend.openai.serving import collect_choices, json_response, stream_choices
+from frontend.openai.serving import collect_choices, json_response, prepare, stream_choices
 from frontend.text.output_processor import ChoiceDelta, merge_deltas
 
 
@@ -35,13 +35,16 @@ class ServingCompletions:
         self.served = served
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        req = decode_request(await request.read(), CompletionRequest,
-                             self.served.sampling_defaults)
-        check_completion_request(req)
-        plan = plan_request(req, completion_fields(req), self.served, "cmpl")
+        req, plan = await prepare(await request.read(), self.read)
         if req.stream:
             return await self._stream(request, req, plan)
         return await self._complete(req, plan)
+
+    def read(self, body: bytes) -> tuple[CompletionRequest, RequestPlan]:
+        """Decode, check, tokenize and plan a request body; raises a 4xx."""
+        req = decode_request(body, CompletionRequest, self.served.sampling_defaults)
+        check_completion_request(req)
+        return req, plan_request(req, completion_fields(req), self.served, "cmpl")
 
     async def _complete(self, req: CompletionRequest, plan: RequestPlan) -> web.Response:
         collected = await collect_choices(self.client, plan)

@@ -2,28 +2,39 @@
 answering as JSON or as server-sent events, and mapping engine failures to OpenAI errors.
 
 `run_choices` sends one engine request per choice and turns engine steps into ChoiceProcessor
-deltas. Whatever ends it — success, error, client disconnect, cancellation — every engine
-request still running is aborted. `collect_choices` (a JSON answer) and `stream_choices` (SSE)
-consume the very same deltas, so a streamed and a non-streamed answer agree exactly.
+deltas. Whatever ends it — success, error, client disconnect, a client that stopped reading,
+cancellation — every engine request still running is aborted. `collect_choices` (a JSON answer)
+and `stream_choices` (SSE) consume the very same deltas, so a streamed and a non-streamed answer
+agree exactly. `prepare` decodes and plans a large body on a worker thread, off the event loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from contextlib import aclosing
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 from aiohttp import web
 
-from frontend.engine.client import EngineClient, EngineDeadError
+from frontend.engine.client import EngineClient, EngineDeadError, EngineOverloadedError
 from frontend.engine.stream import OutputStream, StepItem
 from frontend.errors import OpenAIError, bad_request
+from frontend.http_limits import HTTP_LIMITS
 from frontend.openai.plan import ChoiceState, RequestPlan
 from frontend.openai.protocol import Usage
 from frontend.text.output_processor import ChoiceDelta
 
+logger = logging.getLogger(__name__)
+
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# A body this large is decoded, tokenized and planned on a worker thread (docs/reliability.md:
+# tokenizing takes ~1 ms per KiB on a slow core); `tokenizers` releases the GIL meanwhile.
+OFF_LOOP_BYTES = 16 * 1024
+RETRY_AFTER_S = 1  # what every 503 tells the client (the Retry-After header)
+T = TypeVar("T")
 
 ChunksOf = Callable[[int, ChoiceDelta], Iterable[msgspec.Struct]]  # (choice, delta) -> payloads
 UsageChunk = Callable[[Usage], msgspec.Struct]  # the last payload, when usage was asked
@@ -31,6 +42,18 @@ UsageChunk = Callable[[Usage], msgspec.Struct]  # the last payload, when usage w
 
 class EngineRequestError(Exception):
     """The engine finished a request with "error" (e.g. it can never fit in the KV cache)."""
+
+
+class StalledClientError(Exception):
+    """A stream's client took nothing for the write timeout; its connection is closed."""
+
+
+async def prepare(body: bytes, make: Callable[[bytes], T]) -> T:
+    """`make(body)`: decode, check, tokenize and plan a request; on a worker thread when the
+    body is large, so that no one request holds the event loop."""
+    if len(body) < OFF_LOOP_BYTES:
+        return make(body)
+    return await asyncio.to_thread(make, body)
 
 
 class ChoiceOutput(NamedTuple):
@@ -99,7 +122,7 @@ async def stream_choices(
     """Answer with server-sent events: `chunks_of` each delta, then `usage_chunk` if given, then
     [DONE]. An engine failure before the first event is a plain error response; after it, an
     error event ends the stream."""
-    sse = SSEWriter(request)
+    sse = SSEWriter(request, request.app[HTTP_LIMITS].write_timeout)
     try:
         async with aclosing(run_choices(client, plan.choices)) as outputs:
             async for index, delta in outputs:
@@ -109,6 +132,9 @@ async def stream_choices(
         if not sse.started:
             raise engine_error(exc, plan.constraint_param) from None
         return await sse.fail(engine_error(exc, plan.constraint_param).to_json())
+    except StalledClientError as exc:  # its engine requests were aborted on the way out
+        logger.info("closed the stream of %s: %s", plan.id, exc)
+        return sse.response
     if usage_chunk is not None:
         await sse.send(usage_chunk(plan.usage()))
     return await sse.done()
@@ -116,12 +142,14 @@ async def stream_choices(
 
 class SSEWriter:
     """Server-sent events, prepared lazily at the first event: an error found before anything
-    was sent can still be answered with a plain status and JSON body."""
+    was sent can still be answered with a plain status and JSON body. A write the client does
+    not take within `write_timeout` closes the connection and raises StalledClientError."""
 
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self, request: web.Request, write_timeout: float) -> None:
         self.request = request
         self.response = web.StreamResponse(headers=_SSE_HEADERS)
         self.started = False
+        self.write_timeout = write_timeout
         self._encoder = msgspec.json.Encoder()
 
     async def send(self, payload: msgspec.Struct) -> None:
@@ -130,19 +158,30 @@ class SSEWriter:
     async def fail(self, error_json: bytes) -> web.StreamResponse:
         """Send an error event and end the stream (no [DONE])."""
         await self._write(error_json)
-        await self.response.write_eof()
+        await self._timed(self.response.write_eof())
         return self.response
 
     async def done(self) -> web.StreamResponse:
         await self._write(b"[DONE]")
-        await self.response.write_eof()
+        await self._timed(self.response.write_eof())
         return self.response
 
     async def _write(self, data: bytes) -> None:
         if not self.started:
             self.started = True
-            await self.response.prepare(self.request)
-        await self.response.write(b"data: " + data + b"\n\n")
+            await self._timed(self.response.prepare(self.request))
+        await self._timed(self.response.write(b"data: " + data + b"\n\n"))
+
+    async def _timed(self, write: Awaitable[Any]) -> None:
+        """A write waits while the client's socket buffers are full: at most write_timeout."""
+        try:
+            async with asyncio.timeout(self.write_timeout):
+                await write
+        except TimeoutError:
+            if (transport := self.request.transport) is not None:
+                transport.abort()  # close() would wait for the client to take what is queued
+            raise StalledClientError(
+                f"the client took nothing for {self.write_timeout:g} s") from None
 
 
 def json_response(payload: Any) -> web.Response:
@@ -154,6 +193,10 @@ def engine_error(exc: Exception, param: str | None = None) -> OpenAIError:
     """A dead or overloaded engine is a 503 to retry; a request the engine refused, a 400
     (naming `param`: a constrained request's refusal is about its constraint, which only
     the engine compiles)."""
+    if isinstance(exc, EngineOverloadedError):  # the engine's words: how many wait, its limit
+        reason = str(exc).removeprefix("the server is overloaded: ")
+        return OpenAIError(503, f"The server is overloaded: {reason}; retry after "
+                                f"{RETRY_AFTER_S} s.")
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, f"The engine is unavailable: {exc}. Retry later.")
     return bad_request(str(exc), param)

@@ -22,7 +22,7 @@ from frontend.openai.protocol_tokens import (
     TokenizeResponse,
 )
 from frontend.openai.served_model import ServedModel
-from frontend.openai.serving import json_response
+from frontend.openai.serving import json_response, prepare
 
 
 class ServingTokens:
@@ -34,11 +34,14 @@ class ServingTokens:
         self.info = tokenizer_info(self.tokenizer, tokenizer_path, served.max_model_len)
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        req = decode_request(await request.read(), TokenizeRequest)
+        return json_response(await prepare(await request.read(), self.tokenized))
+
+    def tokenized(self, body: bytes) -> TokenizeResponse:
+        req = decode_request(body, TokenizeRequest)
         self.served.check_model(req.model)
         ids = self.token_ids(req)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return json_response(TokenizeResponse(len(ids), self.served.max_model_len, ids, strs))
+        return TokenizeResponse(len(ids), self.served.max_model_len, ids, strs)
 
     def token_ids(self, req: TokenizeRequest) -> list[int]:
         if (req.prompt is None) == (req.messages is None):
@@ -51,10 +54,13 @@ class ServingTokens:
         return list(self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens)))
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        req = decode_request(await request.read(), DetokenizeRequest)
+        return json_response(await prepare(await request.read(), self.detokenized))
+
+    def detokenized(self, body: bytes) -> DetokenizeResponse:
+        req = decode_request(body, DetokenizeRequest)
         self.served.check_model(req.model)
         self.served.check_ids(req.tokens, "tokens")
-        return json_response(DetokenizeResponse(self.tokenizer.decode(req.tokens)))
+        return DetokenizeResponse(self.tokenizer.decode(req.tokens))
 
     async def tokenizer_info(self, request: web.Request) -> web.Response:
         return json_response(self.info)

@@ -32,7 +32,7 @@ from frontend.openai.protocol_chat import (
     FunctionCall,
     ToolCall,
 )
-from frontend.openai.structured import Constraint
+from frontend.openai.structured import Constraint, check_schema_depth
 from frontend.openai.tool_parsers import (
     AUTO_PARSERS,
     CallArgs,
@@ -122,10 +122,12 @@ def read_tool_plan(req: ChatCompletionRequest, auto_parser: str | None) -> ToolP
     if choice == "auto":
         return _auto_plan(auto_parser, req.parallel_tool_calls)
     if choice == "required":
+        _check_depths(tools)
         schema = required_schema(tools, req.parallel_tool_calls)
         return ToolPlan("required", constraint=_constraint(schema),
                         parallel=req.parallel_tool_calls)
     tool = _find_tool(tools, choice.function.name)
+    _check_depths(tools, tool.name)
     return ToolPlan("named", name=tool.name, constraint=_constraint(_parameters(tool)))
 
 
@@ -168,6 +170,14 @@ def _find_tool(tools: list[FunctionDefinition], name: str) -> FunctionDefinition
             return tool
     raise bad_request(f"tool_choice names the function {name!r}, which is not in tools",
                       "tool_choice")
+
+
+def _check_depths(tools: list[FunctionDefinition], name: str | None = None) -> None:
+    """The parameters schemas a constraint is built from (every tool's, or the named tool's)
+    within the structured outputs' nesting bound; else a 400 on `tools` naming the deep one."""
+    for i, tool in enumerate(tools):
+        if name in (None, tool.name):
+            check_schema_depth(_parameters(tool), f"tools[{i}].function.parameters", "tools")
 
 
 def _parameters(tool: FunctionDefinition) -> dict[str, Any]:

@@ -312,8 +312,10 @@ class FastTokenizer:
             encoding = self._tokenizer.encode(
                 text, text_pair, add_special_tokens=add_special_tokens
             )
-        else:
-            encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        else:  # encode_batch releases the GIL (encode holds it): a long text tokenized on a
+            # worker thread leaves the event loop free; same ids, same cost
+            batch = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+            encoding = batch[0]
         return list(encoding.ids)
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:

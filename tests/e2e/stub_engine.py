@@ -56,6 +56,9 @@ class StubCore:
         for rid in request_ids:
             self.scheduler.requests.pop(rid, None)
 
+    def take_refusals(self) -> dict[bytes, StepOutputs]:
+        return {}  # it refuses nothing
+
     def stats(self) -> EngineStats:
         return EngineStats(num_requests=len(self.scheduler.requests),
                            step_errors=self.counts.step_errors,

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
+from frontend.openai.structured import MAX_SCHEMA_DEPTH
 from frontend.openai.tool_calls import FunctionDefinition, required_schema
 from frontend.server import init_app
 from shared.messages import StructuredOutput, read_ints
@@ -31,6 +32,19 @@ TOOLS = [
     {"type": "function", "function": {"name": "noop"}},
 ]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def deep_tool(depth: int) -> dict[str, Any]:
+    """A tool whose parameters nest `depth` JSON objects and arrays deep."""
+    items: dict[str, Any] = {"type": "string"}
+    for _ in range(depth - 3):
+        items = {"type": "array", "items": items}
+    parameters = {"type": "object", "properties": {"x": items}}
+    return {"type": "function", "function": {"name": "deep", "parameters": parameters}}
+
+
+TOO_DEEP = [*TOOLS, deep_tool(MAX_SCHEMA_DEPTH + 1)]
+DEEP_CHOICE = {"type": "function", "function": {"name": "deep"}}
 
 
 def sorted_json(value: Any) -> str:
@@ -233,6 +247,9 @@ BAD = [
     ({"tools": [{"type": "retrieval"}], "tool_choice": "none"}, "tools"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice"),
+    ({"tools": TOOLS[:1] + [deep_tool(MAX_SCHEMA_DEPTH + 1)], "tool_choice": "required"},
+     "tools"),
+    ({"tools": TOO_DEEP, "tool_choice": DEEP_CHOICE}, "tools"),
 ]
 
 
@@ -245,3 +262,18 @@ async def test_bad_tool_fields_are_400s(client: Client, fields: dict[str, Any],
     if fields.get("tool_choice", "auto") == "auto" and "tools" in fields:
         message = body["error"]["message"]
         assert "--enable-auto-tool-choice" in message and "--tool-call-parser" in message
+
+
+async def test_a_deep_tool_schema_is_refused_only_when_it_goes_to_the_grammar(
+        client: Client, engine: FakeEngine) -> None:
+    body = await post(client, 400, messages=answering("x"), tools=TOO_DEEP,
+                      tool_choice="required")
+    assert body["error"]["message"].startswith(
+        f"tools[2].function.parameters is nested more than {MAX_SCHEMA_DEPTH} levels")
+    await post(client, messages=answering('{"city": "Paris"}'), tools=TOO_DEEP,
+               tool_choice=NAMED)  # only the named tool's parameters are compiled
+    assert engine.added[-1].params.structured == StructuredOutput("json", sorted_json(WEATHER))
+    await post(client, messages=answering("x"), tools=TOO_DEEP, tool_choice="none")
+    assert engine.added[-1].params.structured is None
+    await post(client, messages=answering("x"), tools=[deep_tool(MAX_SCHEMA_DEPTH)],
+               tool_choice=DEEP_CHOICE)
