@@ -26,3 +26,14 @@ run: install
 
 clean:
 	rm -rf $(VENV)
+
+# The GPU device check in one command (docs/gpu.md): the full run where torch sees a GPU (the
+# device tool's machine, no venv there: python3), else the CPU dry run at a tiny size (which
+# `make test` also runs, through tests/device/test_gpu_check_dry_run.py). ARGS go to the script.
+.PHONY: gpu-check device-wheels
+gpu-check:
+	bash tests/device/gpu_check.sh $(ARGS)
+
+# What the GPU machine lacks, into .device/ (git-ignored) for the device tool's carry.
+device-wheels: install
+	PYTHON=$(PY) bash tests/device/device_wheels.sh

