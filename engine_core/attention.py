@@ -51,11 +51,9 @@ def build_metadata(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndar
     starts[i], num_new[i]: request i computes positions [starts[i], starts[i] + num_new[i]).
     block_table: [B, max_blocks] block ids (rows padded with 0).
     """
-    seq_of_token = np.repeat(np.arange(len(starts)), num_new)
     offsets = np.cumsum(num_new) - num_new
-    positions = starts[seq_of_token] + np.arange(int(num_new.sum())) - offsets[seq_of_token]
-    slot_mapping = (block_table[seq_of_token, positions // block_size] * block_size
-                    + positions % block_size)
+    slot_mapping, positions = cache_slots(block_table, np.arange(len(starts)), starts, num_new,
+                                          block_size)
 
     is_decode = num_new == 1
     dec = np.nonzero(is_decode)[0]
@@ -86,6 +84,17 @@ def build_metadata(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndar
         kv_caches=kv_caches,
     )
     return meta, positions
+
+
+def cache_slots(block_table: np.ndarray, rows: np.ndarray, starts: np.ndarray,
+                lengths: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The cache slots of positions [starts[i], starts[i] + lengths[i]) of the sequence in row
+    `rows[i]` of `block_table`, all i one after the other; and those positions."""
+    seq = np.repeat(np.arange(len(lengths)), lengths)
+    offsets = np.cumsum(lengths) - lengths
+    positions = starts[seq] + np.arange(int(lengths.sum())) - offsets[seq]
+    slots = block_table[rows[seq], positions // block_size] * block_size + positions % block_size
+    return slots, positions
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

@@ -5,13 +5,18 @@ is computed gets a key in the prefix cache: its place in a hash chain over the t
 (`block_key`), so a block is only reused after the very same prefix. Freed blocks go to the
 tail of an LRU free queue but keep their key; allocation takes from the head and only then
 evicts the key. A cached block that is hit while free is taken back out of the queue.
+
+Nothing here holds a Python object per block of the pool (a GPU's cache can have millions of
+blocks): reference counts and the free queue live in int32 arrays sized once, and only cached
+blocks have an entry in the prefix cache's dicts (docs/benchmarks.md, "Block manager").
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 BlockKey = tuple[int, tuple[int, ...]]
 
@@ -36,6 +41,60 @@ def chain_hashes(token_ids: Sequence[int], block_size: int,
     return hashes
 
 
+class FreeQueue:
+    """The free blocks in the order they are taken: never-used blocks first, ascending, then
+    freed blocks, least recently freed first. The freed ones form a doubly linked list in two
+    int32 arrays (slot `num_blocks` is its sentinel), so a block leaves from anywhere in O(1)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._end = num_blocks  # the sentinel
+        self._fresh = 0  # blocks [_fresh, num_blocks) were never used
+        self._next = int32_slots(num_blocks + 1)
+        self._prev = int32_slots(num_blocks + 1)
+        self._next[num_blocks] = self._prev[num_blocks] = num_blocks
+        self.size = num_blocks
+
+    def pop(self, n: int) -> list[int]:
+        """The first n blocks (n <= size)."""
+        fresh = min(n, self._end - self._fresh)
+        out = list(range(self._fresh, self._fresh + fresh))
+        self._fresh += fresh
+        nxt, end = self._next, self._end
+        b = nxt[end]
+        for _ in range(n - fresh):
+            out.append(b)
+            b = nxt[b]
+        self._prev[b] = end
+        nxt[end] = b
+        self.size -= n
+        return out
+
+    def push(self, blocks: Sequence[int]) -> None:
+        """Append freed blocks at the tail, in this order."""
+        nxt, prev, end = self._next, self._prev, self._end
+        last = prev[end]
+        for b in blocks:
+            nxt[last] = b
+            prev[b] = last
+            last = b
+        nxt[last] = end
+        prev[end] = last
+        self.size += len(blocks)
+
+    def remove(self, b: int) -> None:
+        """Take out a freed block (a cached block hit while free)."""
+        before, after = self._prev[b], self._next[b]
+        self._next[before] = after
+        self._prev[after] = before
+        self.size -= 1
+
+
+def int32_slots(n: int) -> memoryview:
+    """n int32 slots, zeroed, in one array (pages the OS maps when first written): a
+    memoryview reads and writes single slots as plain ints, at list speed."""
+    return np.zeros(n, dtype=np.int32).data
+
+
 @dataclass
 class PrefixStats:
     queries: int = 0  # prompt tokens looked up
@@ -48,15 +107,15 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._ref = [0] * num_blocks
-        self._key_of: list[BlockKey | None] = [None] * num_blocks
+        self._ref = int32_slots(num_blocks)
+        self._key_of: dict[int, BlockKey] = {}  # the cached blocks' keys
         self._cached: dict[BlockKey, int] = {}
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._free = FreeQueue(num_blocks)
         self.stats = PrefixStats()
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._free.size
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -79,30 +138,29 @@ class BlockManager:
         """Take a reference on cached blocks found by lookup_prefix."""
         for b in blocks:
             if self._ref[b] == 0:
-                del self._free[b]
+                self._free.remove(b)
             self._ref[b] += 1
 
     def allocate(self, n: int) -> list[int] | None:
         """n fresh blocks (evicting the least recently freed cached ones), or None if short."""
-        if n > len(self._free):
+        if n > self._free.size:
             return None
-        out = []
-        for _ in range(n):
-            b, _ = self._free.popitem(last=False)
-            key = self._key_of[b]
+        out = self._free.pop(n)
+        for b in out:
+            key = self._key_of.pop(b, None)
             if key is not None:
                 del self._cached[key]
-                self._key_of[b] = None
             self._ref[b] = 1
-            out.append(b)
         return out
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference each; tail blocks first so a prefix outlives its suffix in LRU."""
+        ref, freed = self._ref, []
         for b in reversed(blocks):
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                self._free[b] = None
+            ref[b] -= 1
+            if ref[b] == 0:
+                freed.append(b)
+        self._free.push(freed)
 
     def cache_full_blocks(self, blocks: Sequence[int], token_ids: Sequence[int],
                           hashes: Sequence[int], num_computed: int, already: int) -> int:
@@ -117,7 +175,7 @@ class BlockManager:
             parent = hashes[i - 1] if i else 0
             key = block_key(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             b = blocks[i]
-            if key not in self._cached and self._key_of[b] is None:
+            if key not in self._cached and b not in self._key_of:
                 self._cached[key] = b
                 self._key_of[b] = key
         return max(upto, already)
@@ -125,6 +183,5 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's /reset_prefix_cache): blocks in use keep serving
         their requests, nothing is shared from them any more, and freed blocks return plain."""
-        for block in self._cached.values():
-            self._key_of[block] = None
+        self._key_of.clear()
         self._cached.clear()

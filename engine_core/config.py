@@ -11,13 +11,14 @@ class EngineConfig:
     served_model_name: str | None = None
     tokenizer: str | None = None  # defaults to the model
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int | None = None  # None => 2048 on CUDA, 512-2048 by queue on CPU
+    max_num_seqs: int | None = None  # None => 128 on CPU; 1024 or 256 on CUDA, by memory
+    max_num_batched_tokens: int | None = None  # None => 8192 or 2048 on CUDA, by memory;
+    # 512-2048 by queue on CPU
     max_waiting_requests: int = 1024  # beyond this many queued, new requests are refused (503)
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None => a default for the device
     num_kv_blocks: int | None = None  # exact block count; wins over kv_cache_memory
-    gpu_memory_utilization: float | None = None  # the engine's share of the GPU (vLLM's flag)
+    gpu_memory_utilization: float | None = None  # the engine's share of the GPU; None => 0.9
     max_logprobs: int | None = None  # most logprobs a request may ask; None => MAX_LOGPROBS
     generation_config: str = "auto"  # sampling defaults: auto (the model's) | vllm | a folder
     enable_prefix_caching: bool = True

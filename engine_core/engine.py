@@ -17,6 +17,7 @@ import torch
 
 from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
+from engine_core.device_sampler import DeviceSampler
 from engine_core.model_runner import ModelRunner
 from engine_core.outputs import StepNews
 from engine_core.platform import Platform
@@ -26,6 +27,7 @@ from engine_core.sampler import Sampler, SamplerOutput
 from engine_core.scheduler import Scheduled, Scheduler, SchedulerOutput
 from engine_core.stop_rules import Stop, StopRules
 from engine_core.structured import GrammarCompiler
+from engine_core.threads import ThreadPolicy
 from engine_core.validation import params_error, prompt_ids
 from shared.messages import (
     MAX_LOGPROBS,
@@ -55,6 +57,12 @@ class EngineCore:
         self.platform = platform or Platform.detect(config)
         self.platform.apply()
         self.runner = ModelRunner(config, self.platform)
+        # On a small box torch keeps one thread and a step's products are shared over the
+        # linears' pool instead (linear.py): the policy then picks how many threads that uses.
+        pool = self.runner.linear_pool
+        set_threads = (pool.use if pool is not None and pool.workers > 1
+                       else torch.set_num_threads)
+        self.threads = ThreadPolicy(self.platform.thread_choices, set_threads=set_threads)
         self.facts = self.runner.facts
         self.max_model_len = self.facts.max_model_len
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
@@ -62,11 +70,14 @@ class EngineCore:
         stop_rules = StopRules(frozenset(self.facts.eos_token_ids), self.max_model_len)
         self.grammars = GrammarCompiler(config.tokenizer or config.model, self.facts.vocab_size,
                                         self.facts.eos_token_ids, config.trust_remote_code)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs,
+        self.scheduler = Scheduler(self.blocks, self.platform.max_num_seqs,
                                    self.platform.max_num_batched_tokens,
                                    min_num_batched_tokens=self.platform.min_num_batched_tokens,
                                    stop_rules=stop_rules, grammars=self.grammars)
-        self.sampler = Sampler(self.facts.eos_token_ids, config.seed)
+        self.sampler: Sampler | DeviceSampler = (
+            DeviceSampler(self.facts.eos_token_ids, config.seed, self.runner.head_weights,
+                          self.platform.host_link())
+            if self.platform.device_sampling else Sampler(self.facts.eos_token_ids, config.seed))
         self.prompt_logprobs = PromptLogprobsAccumulator()
         self._refused: list[_Refusal] = []
         self._arrivals = itertools.count()
@@ -75,9 +86,9 @@ class EngineCore:
     # -- requests in ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int] | bytes,
                     params: SamplingParams, owner: bytes = b"") -> None:
-        """Queue a request, or refuse it with an error row on the next step: wire input is
-        checked here (engine_core/validation.py), never trusted. `prompt_token_ids` may be
-        the int32 wire buffer itself."""
+        """Queue a request, or refuse it with an error row (sent by `take_refusals`, else with
+        the next step's outputs): wire input is checked here (engine_core/validation.py), never
+        trusted. `prompt_token_ids` may be the int32 wire buffer itself."""
         prompt, error = prompt_ids(prompt_token_ids, self.facts.vocab_size)
         error = error or self._admission_error(request_id, prompt, params)
         reason = FinishReason.ERROR
@@ -118,6 +129,15 @@ class EngineCore:
         for rid in request_ids:
             self.prompt_logprobs.drop(rid)
 
+    def take_refusals(self) -> dict[bytes, StepOutputs]:
+        """The refusals queued since the last step, for each frontend, to send at once: a
+        refused request has no step to wait for, so an overloaded server's 503 need not wait for
+        the next step's forward. Refusals not taken go out with the next step's outputs."""
+        refused, self._refused = self._refused, []
+        news = StepNews()
+        _add_refusals(news, refused)
+        return self._pack(news)
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self._refused)
@@ -135,7 +155,8 @@ class EngineCore:
             for req in sched.preempted:  # its prompt is computed, and scored, again
                 self.prompt_logprobs.drop(req.request_id)
             if sched.scheduled:
-                self._execute(sched, news)
+                with self.threads.step(sum(s.num_new for s in sched.scheduled)):
+                    self._execute(sched, news)
         except Exception as exc:  # one bad step must not end the engine
             # Fail only what this step ran (everything, if scheduling itself failed): the
             # requests that caused it are gone, and the others keep running.
@@ -144,6 +165,9 @@ class EngineCore:
             news = self._fail_step(victims, exc)
         _add_refusals(news, refused)
         self._structured_news(news, idle=sched is None or not sched.scheduled)
+        return self._pack(news)
+
+    def _pack(self, news: StepNews) -> dict[bytes, StepOutputs]:
         outputs = news.pack()
         self.counts.output_messages += len(outputs)
         self.counts.output_rows += len(news)

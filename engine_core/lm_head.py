@@ -7,7 +7,7 @@ and reduces every 256-column block while it is still in cache: its maximum, and 
 exp((logit - block max) * scale) that the logsumexp (scale 1) and the two-level inverse CDF in
 sampler.py (scale 1 / T) are combined from. Argmax and top-k come afterwards from the leading
 blocks (`gather_blocks`). Two backends fill the blocks, as the platform says
-(engine_core/platform.py): the compiled CPU kernels (`_NativeOps`: native.py, csrc/lm_head.c,
+(engine_core/platform.py): the compiled CPU kernels (`_NativeOps`: native.py, csrc/kernels.c,
 the GEMM and the reductions fused) or torch ops (`_TorchOps`: on CUDA, with a bias or softcap,
 or without a compiler). Their speeds are in docs/benchmarks.md.
 
@@ -22,64 +22,17 @@ tokens' logits, their ranks (`count_above`) and rows with penalties or truncatio
 
 from __future__ import annotations
 
-import itertools
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Literal, NamedTuple, TypeVar
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 import engine_core.native as native_kernels
+from engine_core.chunk_pool import ChunkPool
 
 BLOCK = 256  # inverse-CDF block; chunk boundaries fall on block boundaries
 HeadBackend = Literal["native", "torch"]
-
-T = TypeVar("T")
-
-
-class ChunkPool:
-    """Runs fn(0..n-1) on the calling thread plus `workers - 1` helper threads; each takes the
-    next index when it is done, so a thread the OS has parked holds up at most one chunk."""
-
-    def __init__(self, workers: int) -> None:
-        self.workers = max(1, workers)
-        self._helpers = (ThreadPoolExecutor(self.workers - 1, thread_name_prefix="lm-head")
-                         if self.workers > 1 else None)
-
-    def map(self, fn: Callable[[int], T], n: int) -> list[T]:
-        if self._helpers is None or n < 2:
-            return [fn(i) for i in range(n)]
-        results: list = [None] * n
-        errors: list[Exception] = []
-        tickets = itertools.count()  # next() is atomic under the GIL
-        left = [n]
-        lock, done = threading.Lock(), threading.Event()
-
-        def work() -> None:
-            with torch.inference_mode():
-                for i in tickets:
-                    if i >= n:
-                        return
-                    try:
-                        results[i] = fn(i)
-                    except Exception as e:  # noqa: BLE001 - re-raised on the calling thread
-                        errors.append(e)
-                    finally:
-                        with lock:
-                            left[0] -= 1
-                            if left[0] == 0:
-                                done.set()
-
-        for _ in range(self.workers - 1):
-            self._helpers.submit(work)
-        work()
-        done.wait()  # not the helpers' exit: one the OS has not run yet finds no ticket left
-        if errors:
-            raise errors[0]
-        return results
-
 
 class Scan(NamedTuple):
     """One pass of the LM head. `logits` stays where the model runs; the rest is on the CPU."""
@@ -122,7 +75,7 @@ class LMHead:
             self._ops = _TorchOps(weight, bias, softcap)
         chunk = max(BLOCK, -(-(chunk or self.vocab) // BLOCK) * BLOCK)
         self.bounds = [(a, min(a + chunk, self.vocab)) for a in range(0, self.vocab, chunk)]
-        self.pool = ChunkPool(workers)
+        self.pool = ChunkPool(workers, "lm-head")
 
     @property
     def backend(self) -> HeadBackend:

@@ -6,28 +6,44 @@ whose attention goes through that interface) run packed, mixed prefill+decode ba
 tokens identical to `generate()`. The Python overhead of HF's module tree over a hand-written
 Llama only matters for tiny models at small batch (docs/benchmarks.md). One code path for
 every architecture, exact parity and no weight-loading code to keep win.
+
+The attention function is the platform's (`Platform.attention`): the portable torch path
+(attention.py) or the CUDA kernels (attention_cuda.py). Step inputs reach the device without a
+host sync (host_link.py). Where the KV cache is sized from the device's memory
+(`Platform.profiles_memory`), one step at the largest budget is run and measured first, the
+sampler's costliest case included (memory_profile.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from engine_core.attention import build_metadata, paged_attention
+from engine_core import attention, attention_cuda
+from engine_core.chunk_pool import ChunkPool
 from engine_core.config import EngineConfig
-from engine_core.linear import transpose_linears
+from engine_core.device_sampler import DeviceSampler, HeadWeights
+from engine_core.linear import prepare_linears
 from engine_core.lm_head import LMHead
-from engine_core.platform import Platform
+from engine_core.memory_profile import StepMemory, max_useful_blocks, measure_step
+from engine_core.platform import AttentionBackend, Platform
 from engine_core.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
-ATTENTION_NAME = "tandem_paged"
-AttentionInterface.register(ATTENTION_NAME, paged_attention)
+ATTENTION_NAMES: dict[AttentionBackend, str] = {"portable": "tandem_paged",
+                                                "cuda": "tandem_paged_cuda"}
+AttentionInterface.register(ATTENTION_NAMES["portable"], attention.paged_attention)
+AttentionInterface.register(ATTENTION_NAMES["cuda"], attention_cuda.cuda_paged_attention)
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+# (starts, num_new, block_table, kv_caches) -> (the step's attention metadata, positions)
+MetadataBuilder = Callable[[np.ndarray, np.ndarray, np.ndarray, KVCaches], tuple[Any, np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -39,50 +55,88 @@ class ModelFacts:
     sampling_defaults: tuple[tuple[str, int | float], ...] = ()  # per --generation-config
 
 
+class KVShape(NamedTuple):
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * self.layers * block_size * self.kv_heads * self.head_dim * elem
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, platform: Platform) -> None:
         self.device = platform.device
         self.dtype = platform.dtype
+        self.link = platform.host_link()
         hf_config = AutoConfig.from_pretrained(config.model,
                                                trust_remote_code=config.trust_remote_code)
         # transformers' auto classes are typed loosely: the model is used through its own API
         model: Any = AutoModelForCausalLM.from_pretrained(
-            config.model, config=hf_config, dtype=self.dtype, attn_implementation=ATTENTION_NAME,
-            trust_remote_code=config.trust_remote_code)
-        self.model = model.to(self.device).eval()
+            config.model, config=hf_config, dtype=self.dtype,
+            attn_implementation=ATTENTION_NAMES[platform.attention],
+            trust_remote_code=config.trust_remote_code, **_placement(self.device))
+        self.model = model.to(self.device).eval()  # (there already, when loaded in place)
         self.decoder = self.model.get_decoder()
-        if platform.transposed_linears:
-            transpose_linears(self.decoder)
+        workers = platform.linear_workers
+        self.linear_pool = None if workers is None else ChunkPool(workers, "linears")
+        linears = prepare_linears(self.decoder, platform.transposed_linears,
+                                  platform.head_kernels, platform.decoder_panels, self.linear_pool)
         text = _text_config(hf_config)
         lm_head = self.model.get_output_embeddings()
         self.head = LMHead(lm_head.weight, getattr(lm_head, "bias", None),
                            getattr(text, "final_logit_softcapping", None),
                            kernels=platform.head_kernels, workers=platform.head_workers,
                            chunk=platform.head_chunk)
+        self.head_weights = HeadWeights(lm_head.weight, getattr(lm_head, "bias", None),
+                                        getattr(text, "final_logit_softcapping", None))
         self.facts = _model_facts(config, text)
         self.block_size = config.block_size
-        self.kv_caches = self._allocate_kv(config, text, platform.kv_cache_budget())
-        log.info("model %s on %s/%s, %d KV blocks of %d tokens, LM head on %s ops, decoder "
-                 "linears %s", config.model, self.device, self.dtype, self.num_blocks,
-                 self.block_size, self.head.backend,
-                 "transposed" if platform.transposed_linears else "as torch has them")
+        self._metadata = self._metadata_builder(platform.attention)
+        self.kv_shape = _kv_shape(text)
+        self.kv_caches = self._allocate_kv(self._num_blocks(config, platform))
+        log.info("model %s on %s/%s, %d KV blocks of %d tokens, %s attention, LM head on %s "
+                 "ops, decoder linears %s", config.model, self.device, self.dtype,
+                 self.num_blocks, self.block_size, platform.attention, self.head.backend,
+                 linears)
 
     @property
     def num_blocks(self) -> int:
         return self.kv_caches[0][0].shape[0] // self.block_size
 
-    def _allocate_kv(self, config: EngineConfig, text: Any,
-                     budget: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        heads = text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        layers = text.num_hidden_layers
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        per_block = 2 * layers * self.block_size * kv_heads * head_dim * elem
-        num_blocks = config.num_kv_blocks or max(1, budget // per_block)
-        shape = (num_blocks * self.block_size, kv_heads, head_dim)
+    def _num_blocks(self, config: EngineConfig, platform: Platform) -> int:
+        """--num-kv-blocks; else the budget's blocks, and where the budget is profiled, no more
+        than max_num_seqs sequences of max_model_len tokens can fill."""
+        if config.num_kv_blocks:
+            return config.num_kv_blocks
+        per_block = self.kv_shape.block_bytes(self.block_size, self.dtype)
+        if not platform.profiles_memory:
+            return max(1, platform.kv_cache_budget() // per_block)
+        measured = self.profile_step(platform.max_num_batched_tokens, platform.max_num_seqs)
+        torch.cuda.empty_cache()  # the stand-in cache's memory back (a no-op without CUDA)
+        budget = platform.kv_cache_budget(measured)
+        useful = max_useful_blocks(platform.max_num_seqs, self.facts.max_model_len,
+                                   self.block_size)
+        log.info("memory profile: weights %.2f GiB, step peak %.2f GiB, outside torch %.2f "
+                 "GiB; KV cache %.2f GiB", measured.weights / 2**30, measured.peak / 2**30,
+                 measured.outside_torch / 2**30, min(budget, useful * per_block) / 2**30)
+        return max(1, min(budget // per_block, useful))
+
+    def _allocate_kv(self, num_blocks: int) -> KVCaches:
+        shape = (num_blocks * self.block_size, self.kv_shape.kv_heads, self.kv_shape.head_dim)
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(layers)]
+                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(self.kv_shape.layers)]
+
+    def _metadata_builder(self, backend: AttentionBackend) -> MetadataBuilder:
+        block_size, link = self.block_size, self.link
+        if backend == "cuda":
+            kernels = attention_cuda.cuda_kernels()
+            return lambda starts, num_new, table, caches: attention_cuda.build_metadata(
+                starts, num_new, table, block_size, caches, link, kernels)
+        return lambda starts, num_new, table, caches: attention.build_metadata(
+            starts, num_new, table, block_size, caches, link.device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, keep_rows: np.ndarray) -> torch.Tensor:
@@ -97,14 +151,57 @@ class ModelRunner:
         for i, s in enumerate(items):
             table[i, :len(s.request.block_ids)] = s.request.block_ids
             token_ids.extend(s.request.all_token_ids[s.start:s.start + s.num_new])
-        meta, positions = build_metadata(starts, num_new, table, self.block_size,
-                                         self.kv_caches, self.device)
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[None]
-        position_ids = torch.from_numpy(positions).to(self.device)[None]
-        keep = torch.from_numpy(keep_rows).to(self.device)
-        out = self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                           tandem_meta=meta)
+        return self.forward(starts, num_new, table, np.asarray(token_ids, dtype=np.int64),
+                            keep_rows, self.kv_caches)
+
+    def forward(self, starts: np.ndarray, num_new: np.ndarray, table: np.ndarray,
+                token_ids: np.ndarray, keep_rows: np.ndarray, kv_caches: KVCaches
+                ) -> torch.Tensor:
+        """One packed forward (see `execute`), its inputs uploaded in one copy."""
+        meta, positions = self._metadata(starts, num_new, table, kv_caches)
+        input_ids, position_ids, keep = self.link.upload_many([token_ids, positions, keep_rows],
+                                                               np.int64)
+        out = self.decoder(input_ids=input_ids[None], position_ids=position_ids[None],
+                           use_cache=False, tandem_meta=meta)
         return out.last_hidden_state[0, keep]
+
+    @torch.inference_mode()
+    def profile_step(self, num_tokens: int, num_seqs: int) -> StepMemory:
+        """Measure (memory_profile.measure_step) a step of `num_tokens` prompt tokens over
+        `num_seqs` sequences (at most, and none longer than the context), each then sampled the
+        costliest way, on a stand-in KV cache just large enough (left out of the weights)."""
+        seqs = max(min(num_seqs, num_tokens), -(-num_tokens // self.facts.max_model_len))
+        num_new = np.full(seqs, num_tokens // seqs, dtype=np.int64)
+        num_new[:num_tokens % seqs] += 1
+        width = -(-int(num_new.max()) // self.block_size)
+        table = np.arange(seqs * width, dtype=np.int64).reshape(seqs, width)
+        caches = self._allocate_kv(seqs * width)
+        scratch = sum(k.nbytes + v.nbytes for k, v in caches)
+        sampler = DeviceSampler([], 0, self.head_weights, self.link)
+
+        def step() -> None:
+            hidden = self.forward(np.zeros(seqs, dtype=np.int64), num_new, table,
+                                  np.zeros(num_tokens, dtype=np.int64), np.cumsum(num_new) - 1,
+                                  caches)
+            sampler.profile(hidden)
+
+        return measure_step(self.device, step, scratch)
+
+
+def _placement(device: torch.device) -> dict[str, Any]:
+    """from_pretrained's arguments that load the weights straight onto an accelerator: its
+    device_map, which transformers honours through accelerate; without accelerate (or on the
+    CPU) the weights load on the host and are moved."""
+    if device.type == "cpu" or importlib.util.find_spec("accelerate") is None:
+        return {}
+    return {"device_map": str(device)}
+
+
+def _kv_shape(text: Any) -> KVShape:
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return KVShape(text.num_hidden_layers, kv_heads, head_dim)
 
 
 def _text_config(hf: Any) -> Any:

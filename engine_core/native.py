@@ -1,4 +1,5 @@
-"""The LM head's CPU kernels (csrc/lm_head.c), compiled on first use and loaded with ctypes.
+"""The CPU kernels of the LM head and the decoder's linears (csrc/kernels.c), compiled on first
+use and loaded with ctypes.
 
 Compiled on the machine that runs them, with -march=native, into a cache folder under a name
 that hashes the source, the compiler command and this CPU's feature flags, so a shared home
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("csrc") / "lm_head.c"
+SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 # -ffast-math for the vectorised expf (glibc's libmvec) and reassociated reductions; compiled
 # and linked in two steps, because linking with it adds crtfastmath.o, which sets flush-to-zero
 # for the whole process at load time (a denormal then compares equal to 0 everywhere).
@@ -43,6 +44,9 @@ class Kernels:
         self.count_above = lib.count_above
         self.count_above.argtypes = [_P, _I, _P, _I, _P, _I, _I, _P]
         self.count_above.restype = None
+        self.panel_matmul = lib.panel_matmul
+        self.panel_matmul.argtypes = [_P, _I, _I, _I, _P, _I, _I, _P, _I]
+        self.panel_matmul.restype = None
 
 
 def pack_panels(weight_t: torch.Tensor) -> torch.Tensor:
@@ -72,7 +76,7 @@ def load(compiler: str, cache_dir: Path) -> Kernels | None:
     try:
         return Kernels(ctypes.CDLL(str(_build(compiler, cache_dir))))
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("LM-head CPU kernels unavailable (%s); using the torch path", e)
+        log.warning("CPU kernels unavailable (%s); using torch ops", e)
         return None
 
 
@@ -80,7 +84,7 @@ def _build(cc: str, cache_dir: Path) -> Path:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(FLAGS).encode(),
                                      _cpu_flags()])).hexdigest()[:16]
-    out = cache_dir / "kernels" / f"lm_head-{key}.so"
+    out = cache_dir / "kernels" / f"kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -100,7 +104,7 @@ def _build(cc: str, cache_dir: Path) -> Path:
         for leftover in (tmp, tmp + ".o"):
             if os.path.exists(leftover):
                 os.unlink(leftover)
-    log.info("compiled the LM-head CPU kernels into %s", out)
+    log.info("compiled the CPU kernels into %s", out)
     return out
 
 

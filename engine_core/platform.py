@@ -12,21 +12,26 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from engine_core import native
 from engine_core.config import EngineConfig
 from engine_core.default_model import cache_root
+from engine_core.host_link import HostLink
 from engine_core.linear import transposed_is_faster
 from engine_core.lm_head import HeadBackend
+from engine_core.memory_profile import StepMemory, kv_budget
 from shared.machine import available_cpus
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_BYTES = 2 << 30
-CUDA_KV_FREE_SHARE = 0.8  # of the memory left free once the weights are in
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of the whole GPU
+LARGE_GPU_BYTES = 70 << 30  # vLLM's larger defaults from here (A100s excepted)
+AttentionBackend = Literal["portable", "cuda"]  # attention.py | attention_cuda.py
 CPU_HEAD_CHUNK = 8192  # vocabulary columns per LM-head task on the CPU (fits the caches)
 
 
@@ -39,11 +44,20 @@ class Platform:
     kv_cache_bytes: int | None  # None: measured on the device (`kv_cache_budget`)
     gpu_memory_utilization: float | None  # the engine's share of the whole GPU, if given
     max_num_batched_tokens: int  # tokens per step, at most
+    max_num_seqs: int  # requests running at once, at most
     min_num_batched_tokens: int | None  # floor of the queue-following budget; None: fixed
     head_workers: int  # threads sharing the LM head's vocabulary chunks
     head_chunk: int | None  # vocabulary columns per LM-head task; None: the whole vocabulary
-    torch_threads: int | None  # torch's intra-op threads; None: torch's own choice
+    torch_threads: int | None  # torch's intra-op threads at load; None: torch's own choice
+    # the thread counts a step may run on, picked per step by measurement (threads.py);
+    # empty: torch's own choice, never changed
+    thread_choices: tuple[int, ...]
     transposed_linears: bool  # the decoder's linears as x @ W_t (linear.py), measured faster
+    # the decoder's linears also packed in panels for decode steps (linear.py): as
+    # TANDEM_PANELS=1|0 says, or None: measured on the model once it is loaded
+    decoder_panels: bool | None
+    device_sampling: bool  # sampling on the device (device_sampler.py), else on the head's scan
+    attention: AttentionBackend  # the paged attention the model runs with
     # The LM head's compiled CPU kernels, loaded once; None: torch ops do the head.
     head_kernels: native.Kernels | None = field(default=None, compare=False, repr=False)
 
@@ -57,46 +71,73 @@ class Platform:
         environment: TANDEM_NATIVE=0 turns the compiled LM-head kernels off, CC names the
         compiler that builds them, TANDEM_CACHE the folder they are built into;
         TANDEM_LINEAR=transposed|torch fixes the decoder's linear layout instead of measuring
-        it."""
+        it, TANDEM_PANELS=1|0 whether its decode steps run the compiled kernel (linear.py);
+        TANDEM_SAMPLER=device|cpu and TANDEM_ATTENTION=cuda|portable fix the sampler and
+        the attention instead of the device's own (to compare them, or to fall back)."""
         env = os.environ if environ is None else environ
         device = resolve_device(config.device)
-        threads = config.num_threads or None
-        budget, floor = step_budget(config, device)
+        choices = thread_choices(config, device)
+        threads = choices[0] if choices else None
+        large = is_large_gpu(device)
+        budget, floor = step_budget(config, device, large)
         dtype = resolve_dtype(config.dtype, device)
+        kernels = _head_kernels(device, env)
         return cls(
             device=device,
             dtype=dtype,
             kv_cache_bytes=kv_cache_bytes(config, device),
-            gpu_memory_utilization=config.gpu_memory_utilization,
+            gpu_memory_utilization=config.gpu_memory_utilization or (
+                GPU_MEMORY_UTILIZATION if device.type == "cuda" else None),
             max_num_batched_tokens=budget,
             min_num_batched_tokens=floor,
+            max_num_seqs=config.max_num_seqs or default_max_num_seqs(device, large),
             head_workers=head_workers(device, threads or torch.get_num_threads()),
             head_chunk=CPU_HEAD_CHUNK if device.type == "cpu" else None,
             torch_threads=threads,
+            thread_choices=choices,
             transposed_linears=_transposed_linears(device, dtype, threads, env),
-            head_kernels=_head_kernels(device, env),
+            decoder_panels=_decoder_panels(dtype, kernels, env),
+            device_sampling=_choice(env, "TANDEM_SAMPLER", ("device", "cpu"),
+                                    "device" if device.type == "cuda" else "cpu") == "device",
+            attention=attention_backend(device, dtype, env),
+            head_kernels=kernels,
         )
+
+    @property
+    def linear_workers(self) -> int | None:
+        """Threads a step may share the decoder's products over (linear.py): as many as the
+        LM head's on the CPU (more than one only where torch itself runs on one thread);
+        None on a GPU."""
+        return self.head_workers if self.device.type == "cpu" else None
 
     def apply(self) -> None:
         """Set what is process-wide (torch's threads); once, before the model loads."""
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
 
-    def kv_cache_budget(self) -> int:
-        """Bytes for the KV cache; measured on the device when no size was settled, so call it
-        once the weights are loaded."""
+    @property
+    def profiles_memory(self) -> bool:
+        """Whether the KV cache is sized from a profiled step (`kv_cache_budget(profiled)`)."""
+        return self.kv_cache_bytes is None
+
+    def kv_cache_budget(self, profiled: StepMemory | None = None) -> int:
+        """Bytes for the KV cache: the size settled at start-up, else what
+        --gpu-memory-utilization leaves of the whole GPU once the weights, the `profiled`
+        step's peak and the memory outside torch are counted (memory_profile.py)."""
         if self.kv_cache_bytes is not None:
             return self.kv_cache_bytes
-        free, total = torch.cuda.mem_get_info(self.device)
-        if self.gpu_memory_utilization is None:
-            return int(free * CUDA_KV_FREE_SHARE)
-        # vLLM's meaning: the engine holds at most this share of the whole GPU, so the cache
-        # gets what the share leaves once the weights (and anything else in use) are in.
-        budget = int(total * self.gpu_memory_utilization) - (total - free)
-        if budget <= 0:
-            raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization} leaves "
-                             "no memory for the KV cache once the model is loaded")
-        return budget
+        if profiled is None or self.gpu_memory_utilization is None:
+            raise ValueError("the KV cache is sized on this device from a profiled step")
+        return kv_budget(self.gpu_memory_utilization, profiled)
+
+    def host_link(self) -> HostLink:
+        """Copies between the host and the device: pinned and asynchronous on CUDA, with one
+        wait on the current stream to bring results back; plain copies on the CPU."""
+        if self.device.type != "cuda":
+            return HostLink(self.device, pinned=False, synchronize=lambda: None)
+        device = self.device
+        return HostLink(device, pinned=True,
+                        synchronize=lambda: torch.cuda.current_stream(device).synchronize())
 
 
 def resolve_device(name: str) -> torch.device:
@@ -114,21 +155,52 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def kv_cache_bytes(config: EngineConfig, device: torch.device) -> int | None:
-    """--kv-cache-memory, else 2 GiB on the CPU, else None: a share of what the GPU has free."""
+    """--kv-cache-memory, else 2 GiB on the CPU, else None: profiled on the GPU."""
     if config.kv_cache_memory is not None:
         return config.kv_cache_memory
     return CPU_KV_CACHE_BYTES if device.type == "cpu" else None
 
 
-def step_budget(config: EngineConfig, device: torch.device) -> tuple[int, int | None]:
+def is_large_gpu(device: torch.device) -> bool:
+    """A GPU with at least 70 GiB that is not an A100: vLLM's larger defaults (on an A100 a
+    larger step lowered throughput, vLLM PR 17885)."""
+    if device.type != "cuda":
+        return False
+    props = torch.cuda.get_device_properties(device)
+    return props.total_memory >= LARGE_GPU_BYTES and "a100" not in props.name.lower()
+
+
+def default_max_num_seqs(device: torch.device, large_gpu: bool) -> int:
+    """vLLM's server defaults on a GPU (1024 on a large one, else 256); 128 on the CPU."""
+    if device.type != "cuda":
+        return 128
+    return 1024 if large_gpu else 256
+
+
+def step_budget(config: EngineConfig, device: torch.device,
+                large_gpu: bool = False) -> tuple[int, int | None]:
     """(max, adaptive floor) of the tokens per step. --max-num-batched-tokens fixes the budget.
-    By default a GPU gets vLLM's chunked-prefill 2048. A CPU, where a prefill step costs in
-    proportion to its tokens, gets a budget that follows the queue (Scheduler.step_budget): a
-    quarter of the waiting prompt tokens, between 512 and 2048, which gave the best TTFT
-    across concurrencies at the same throughput (docs/benchmarks.md)."""
+    By default a GPU gets vLLM's server budget: 8192 on a large GPU, else 2048. A CPU, where a
+    prefill step costs in proportion to its tokens, gets a budget that follows the queue
+    (Scheduler.step_budget): a quarter of the waiting prompt tokens, between 512 and 2048,
+    which gave the best TTFT across concurrencies at the same throughput (docs/benchmarks.md)."""
     if config.max_num_batched_tokens:
         return config.max_num_batched_tokens, None
-    return (2048, None) if device.type == "cuda" else (2048, 512)
+    if device.type == "cuda":
+        return (8192 if large_gpu else 2048), None
+    return 2048, 512
+
+
+def thread_choices(config: EngineConfig, device: torch.device) -> tuple[int, ...]:
+    """--num-threads N fixes N. Else, on the CPU, each step runs on every usable core or on one
+    fewer (left to the frontends), whichever its size has measured faster (threads.py); on a
+    GPU torch keeps its own choice."""
+    if config.num_threads:
+        return (config.num_threads,)
+    if device.type != "cpu":
+        return ()
+    cpus = available_cpus()
+    return (cpus - 1, cpus) if cpus > 1 else (1,)
 
 
 def head_workers(device: torch.device, torch_threads: int) -> int:
@@ -160,6 +232,14 @@ def _transposed_linears(device: torch.device, dtype: torch.dtype, threads: int |
     return faster
 
 
+def _decoder_panels(dtype: torch.dtype, kernels: native.Kernels | None,
+                    env: Mapping[str, str]) -> bool | None:
+    if kernels is None or dtype != torch.float32:  # the kernel is the CPU's, for float32
+        return False
+    choice = env.get("TANDEM_PANELS", "")
+    return None if choice not in ("0", "1") else choice == "1"
+
+
 def _head_kernels(device: torch.device, env: Mapping[str, str]) -> native.Kernels | None:
     if device.type != "cpu" or env.get("TANDEM_NATIVE", "1") == "0":
         return None
@@ -168,3 +248,25 @@ def _head_kernels(device: torch.device, env: Mapping[str, str]) -> native.Kernel
         log.warning("no C compiler (cc or gcc) on PATH: the LM head runs on torch ops")
         return None
     return native.load(compiler, cache_root(env))
+
+
+def attention_backend(device: torch.device, dtype: torch.dtype,
+                      env: Mapping[str, str]) -> AttentionBackend:
+    """The CUDA kernels (attention_cuda.py) on a GPU in bf16 or fp16, FlashAttention's dtypes;
+    the portable torch path elsewhere (float32 on a GPU included). TANDEM_ATTENTION=cuda|portable
+    fixes it."""
+    flash = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    if _choice(env, "TANDEM_ATTENTION", ("cuda", "portable"),
+               "cuda" if flash else "portable") == "portable":
+        return "portable"
+    if not flash:
+        raise RuntimeError("TANDEM_ATTENTION=cuda needs a CUDA device and --dtype bfloat16 or "
+                           "float16 (FlashAttention's)")
+    return "cuda"
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
+    value = env.get(name, "") or default
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: choose {' or '.join(choices)}")
+    return value

@@ -21,7 +21,6 @@ import zmq
 from frontend.options import add_frontend_args, check_frontend_args, frontend_argv
 from shared.argv import ConfigFileError, normalize
 from shared.engine_args import add_engine_args, check_engine_args, engine_argv
-from shared.machine import available_cpus
 from shared.messages import Hello, Ready, StepProgress, UtilityRequest, UtilityResult
 from shared.transport import InputCodec, OutputCodec, configure, is_stalled, new_identity
 
@@ -135,10 +134,9 @@ class Launcher:
 
     def _start_engine(self) -> subprocess.Popen[bytes]:
         args = self.args
-        if args.num_threads is None:
-            # Torch threads collapse when another process takes their core (measured: 2 threads
-            # with a busy frontend ran 2.4x slower than 1), so leave the frontends theirs.
-            args.num_threads = max(1, available_cpus() - args.api_server_count)
+        # Without --num-threads the engine picks each step's torch threads by measurement
+        # (engine_core/threads.py): all cores for the steps they speed up, one fewer for the
+        # steps that a busy frontend would stall.
         cmd = [sys.executable, "-m", "engine_core", *([args.model] if args.model else []),
                "--listen", self.address, "--log-level", args.log_level, *engine_argv(args)]
         return subprocess.Popen(cmd, preexec_fn=_child_setup)

@@ -18,11 +18,14 @@ _ENGINE_FLAGS = (
     ("--max-model-len", {
         "type": int, "default": None, "help": "context length (default: the model's)"}),
     ("--max-num-seqs", {
-        "type": int, "default": 128, "help": "most requests running at once"}),
+        "type": int, "default": None,
+        "help": "most requests running at once (default: 128 on CPU; on CUDA vLLM's 1024 on a "
+                "GPU of 70 GiB or more other than an A100, else 256)"}),
     ("--max-num-batched-tokens", {
         "type": int, "default": None,
-        "help": "token budget of one step; longer prompts are chunked (default: 2048 on CUDA; "
-                "on CPU a quarter of the queued prompt tokens, between 512 and 2048)"}),
+        "help": "token budget of one step; longer prompts are chunked (default: on CUDA 8192 "
+                "where --max-num-seqs defaults to 1024, else 2048; on CPU a quarter of the "
+                "queued prompt tokens, between 512 and 2048)"}),
     ("--max-waiting-requests", {
         "type": int, "default": 1024,
         "help": "most requests queued for a slot; beyond it new requests get 503 with "
@@ -31,16 +34,16 @@ _ENGINE_FLAGS = (
         "type": int, "default": 16, "help": "tokens per KV-cache block"}),
     (("--kv-cache-memory", "--kv-cache-memory-bytes"), {
         "type": int, "default": None,
-        "help": "KV cache size in bytes (default: 2 GiB on CPU; on CUDA 80%% of the memory "
-                "free once the weights are in, or what --gpu-memory-utilization leaves)"}),
+        "help": "KV cache size in bytes (default: 2 GiB on CPU; on CUDA what "
+                "--gpu-memory-utilization leaves)"}),
     (("--num-kv-blocks", "--num-gpu-blocks-override"), {
         "type": int, "default": None,
         "help": "exact number of KV blocks (wins over --kv-cache-memory)"}),
     ("--gpu-memory-utilization", {
         "type": float, "default": None,
         "help": "share of the GPU's whole memory the engine may hold (weights, activations, "
-                "KV cache), as vLLM defines it (default: the KV cache takes 80%% of what the "
-                "weights leave free)"}),
+                "KV cache), as vLLM defines it; the KV cache gets what a profiled step at the "
+                "largest budget leaves (default: 0.9)"}),
     ("--enable-prefix-caching", {
         "action": argparse.BooleanOptionalAction, "default": True,
         "help": "reuse KV blocks of shared prompt prefixes"}),
@@ -53,7 +56,8 @@ _ENGINE_FLAGS = (
         "type": int, "default": 0, "help": "seed of the engine's sampler for unseeded requests"}),
     ("--num-threads", {
         "type": int, "default": None,
-        "help": "torch CPU threads of the engine (tandem serve: cores minus frontends)"}),
+        "help": ("torch CPU threads of the engine; default: each step on all usable cores or one "
+                 "fewer, whichever that size of step has measured faster")}),
     ("--trust-remote-code", {
         "action": "store_true", "help": "allow model code from the model folder"}),
     ("--generation-config", {

@@ -39,6 +39,19 @@ def _ratio(quota: str, period: str) -> float | None:
     return value if value > 0 else None
 
 
+def available_memory(cgroup: Path = CGROUP, meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """Bytes this process could still allocate: the smaller of the kernel's MemAvailable and
+    what the container's memory limit leaves (cgroup v2); None when neither can be read."""
+    found = []
+    for line in (_read(meminfo) or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            found.append(int(line.split()[1]) * 1024)
+    limit, used = _read(cgroup / "memory.max"), _read(cgroup / "memory.current")
+    if limit and limit.isdigit() and used and used.isdigit():
+        found.append(max(0, int(limit) - int(used)))
+    return min(found) if found else None
+
+
 def _read(path: Path) -> str | None:
     try:
         return path.read_text().strip()

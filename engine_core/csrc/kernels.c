@@ -1,14 +1,18 @@
-/* CPU kernels for engine_core/lm_head.py, compiled on first use by engine_core/native.py.
+/* CPU kernels for engine_core/lm_head.py and engine_core/linear.py, compiled on first use by
+ * engine_core/native.py.
  *
- * head_scan: the LM head's logits for a range of vocabulary columns, a 256-column block at a
- * time, each block reduced while it is still in L1/L2: its maximum and, for the rows that ask,
- * the sum of exp((logit - block max) * scale). The weight is pre-packed in 16-column panels
- * ([panels][hidden][16], contiguous), so the GEMM streams it sequentially; each panel (8 KB at
- * hidden 128) stays in L1 while every row tile uses it. Register tiles are 6 rows x 16 columns,
- * the shape that fills AVX2's 16 vector registers; the vector type is GCC's generic one, so the
+ * The weights are pre-packed in 16-column panels ([panels][hidden][16], contiguous), so a GEMM
+ * streams them sequentially, prefetching ahead; each panel (8 KB at hidden 128, 56 KB at 896)
+ * stays in L1/L2 while every row tile uses it. Register tiles are 6 rows x 16 columns, the
+ * shape that fills AVX2's 16 vector registers; the vector type is GCC's generic one, so the
  * same source builds for whatever -march=native offers. The sum over the hidden dimension runs
  * in index order with one accumulator per output, as a plain GEMM does.
  *
+ * panel_matmul: columns of x @ W (the decoder's linear layers, for the few rows of a decode
+ * step, where streaming the weight from memory is the cost: docs/benchmarks.md).
+ * head_scan: the LM head's logits for a range of vocabulary columns, a 256-column block at a
+ * time, each block reduced while it is still in L1/L2: its maximum and, for the rows that ask,
+ * the sum of exp((logit - block max) * scale).
  * count_above: how many logits of each picked row exceed its threshold (rank - 1 of a token).
  */
 #include <math.h>
@@ -17,6 +21,7 @@
 
 #define NR 16 /* columns per packed panel and per register tile */
 #define MR 6  /* rows per register tile */
+#define AHEAD 64 /* hidden rows of a panel prefetched ahead of the one in use (4 KB) */
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -30,6 +35,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, const float
     v8 acc[MR][2];
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = (v8){0};
     for (int64_t k = 0; k < hidden; k++) {
+        __builtin_prefetch(panel + (k + AHEAD) * NR); /* a hint: past the end is harmless */
         v8 b0 = load8(panel + k * NR), b1 = load8(panel + k * NR + 8);
         for (int r = 0; r < mr; r++) {
             float s = a[r * lda + k];
@@ -58,6 +64,13 @@ static void panel_gemm(const float *a, int64_t lda, int64_t rows, const float *p
         case 1: tile(1, ar, lda, panel, hidden, cr, ldc); break;
         default: break;
     }
+}
+
+/* Columns [16 * p0, 16 * p1) of a @ W: c[r, j] for rows r < rows, W packed in panels. */
+void panel_matmul(const float *a, int64_t lda, int64_t rows, int64_t hidden, const float *packed,
+                  int64_t p0, int64_t p1, float *c, int64_t ldc) {
+    for (int64_t p = p0; p < p1; p++)
+        panel_gemm(a, lda, rows, packed + p * NR * hidden, hidden, c + p * NR, ldc);
 }
 
 static float sum_exp(const float *x, int64_t n, float max, float scale) {

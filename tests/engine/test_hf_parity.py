@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
+from engine_core.linear import DecoderLinear
 from shared.messages import SamplingParams
 from tests.engine.driver import Collected, run
 
@@ -167,13 +168,19 @@ def test_qwen2_parity(tiny_qwen2):
     assert_drained(core)
 
 
-@pytest.mark.parametrize("layout", ["transposed", "torch"])
-def test_parity_with_either_linear_layout(tiny_llama, tokenizer, reference, monkeypatch, layout):
-    """The platform measures which layout of the decoder's linears is faster here; both must
-    give HF's tokens and logprobs, whichever this machine picks."""
+@pytest.mark.parametrize(("layout", "panels"), [("transposed", "1"), ("torch", "0")])
+def test_parity_with_either_linear_layout(tiny_llama, tokenizer, reference, monkeypatch, layout,
+                                          panels):
+    """The platform measures which layout of the decoder's linears is faster here, and whether
+    decode steps run the compiled kernel on packed panels; every way must give HF's tokens and
+    logprobs, whichever this machine picks."""
     monkeypatch.setenv("TANDEM_LINEAR", layout)
+    monkeypatch.setenv("TANDEM_PANELS", panels)
     core = engine(tiny_llama, num_kv_blocks=512, max_num_batched_tokens=32)
     assert core.platform.transposed_linears == (layout == "transposed")
+    packed = any(isinstance(m, DecoderLinear) and m.panels is not None
+                 for m in core.runner.decoder.modules())
+    assert packed == (panels == "1" and core.platform.head_kernels is not None)
     prompts = make_prompts(tokenizer, n=12)
     results = submit_and_run(core, prompts, prompt_logprobs=True)
     assert_parity(results, prompts, reference)

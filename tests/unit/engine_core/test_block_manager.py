@@ -94,3 +94,40 @@ def test_reset_prefix_cache_forgets_every_prefix_and_keeps_blocks_in_use() -> No
     assert bm.lookup_prefix(tokens + [5], hashes) == []
     bm.free(blocks)
     assert bm.num_free_blocks == 4
+
+
+
+def test_free_queue_keeps_the_order_of_an_lru_queue_of_every_block():
+    """FreeQueue (int32 arrays, the never-used blocks a range) against the structure it
+    replaced: an ordered dict of every block, taken from the head, freed to the tail, and a
+    freed block taken out from anywhere (a prefix hit on a free cached block)."""
+    import random
+    from collections import OrderedDict
+
+    from engine_core.block_manager import FreeQueue
+
+    rng = random.Random(7)
+    queue, model = FreeQueue(50), OrderedDict((b, None) for b in range(50))
+    held: list[int] = []
+    used: set[int] = set()  # blocks taken at least once: only those are ever hit while free
+    for _ in range(5000):
+        op = rng.random()
+        if op < 0.4:
+            n = rng.randint(0, min(5, len(model)))
+            got = queue.pop(n)
+            assert got == [model.popitem(last=False)[0] for _ in range(n)]
+            held += got
+            used.update(got)
+        elif op < 0.8 and held:
+            freed = [held.pop(rng.randrange(len(held))) for _ in range(rng.randint(0, len(held)))]
+            queue.push(freed)
+            model.update((b, None) for b in freed)
+        else:
+            freed = [b for b in model if b in used]
+            if freed:
+                b = rng.choice(freed)
+                queue.remove(b)
+                del model[b]
+                held.append(b)
+        assert queue.size == len(model)
+    assert queue.pop(len(model)) == list(model)

@@ -1,4 +1,5 @@
-"""The decoder's linear layers stored transposed: same products, every nn.Linear swapped."""
+"""The decoder's linear layers stored transposed or packed in panels: same products, every
+nn.Linear swapped."""
 
 from __future__ import annotations
 
@@ -6,8 +7,17 @@ import pytest
 import torch
 from torch import nn
 
+from engine_core import default_model, native
+from engine_core.chunk_pool import ChunkPool
 from engine_core.config import EngineConfig
-from engine_core.linear import TransposedLinear, transpose_linears, transposed_is_faster
+from engine_core.linear import (
+    PANEL_ROWS,
+    DecoderLinear,
+    TransposedLinear,
+    prepare_linears,
+    transpose_linears,
+    transposed_is_faster,
+)
 from engine_core.platform import Platform
 
 
@@ -38,3 +48,86 @@ def test_the_measurement_answers_and_the_environment_overrides_it() -> None:
     config = EngineConfig(model="unused", device="cpu")
     assert Platform.detect(config, {"TANDEM_LINEAR": "transposed"}).transposed_linears
     assert not Platform.detect(config, {"TANDEM_LINEAR": "torch"}).transposed_linears
+
+
+def kernels() -> native.Kernels:
+    compiler = native.find_compiler()
+    loaded = native.load(compiler, default_model.cache_root()) if compiler else None
+    if loaded is None:
+        pytest.skip("no C compiler here")
+    return loaded
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 16, PANEL_ROWS, PANEL_ROWS + 1, 100])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decoder_linear_computes_what_the_linear_did(transposed: bool, bias: bool, rows: int,
+                                                     threads: int) -> None:
+    """At most PANEL_ROWS rows through the compiled kernel, more through the layer itself,
+    shared by rows over the pool when the step has threads; an output width that is not a
+    whole number of panels (37) is cut back to size."""
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 37, bias=bias)
+    x = torch.randn(rows, 48)
+    expected = linear(x)
+    wide = TransposedLinear(linear) if transposed else linear
+    pool = ChunkPool(2)
+    pool.use(threads)
+    got = DecoderLinear(wide, kernels(), pool)(x.view(1, rows, 48))
+    assert got.shape == (1, rows, 37) and got.is_contiguous()
+    torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("rows", "parts"), [(16, 3), (200, 6)])
+def test_a_step_with_threads_shares_the_products_out(rows: int, parts: int) -> None:
+    """16 rows: the kernel's 63 panels in parts of at least 16; 200 rows: parts of at least 32
+    rows, 4 per thread at most; one thread: no sharing at all."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 1000)
+    x = torch.randn(rows, 64)
+    calls: list[int] = []
+    pool = ChunkPool(2)
+    real_map = pool.map
+    pool.map = lambda fn, n: calls.append(n) or real_map(fn, n)  # type: ignore[method-assign]
+    layer = DecoderLinear(linear, kernels(), pool)
+    pool.use(2)
+    torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
+    pool.use(1)
+    torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert calls == [parts]
+
+
+def test_prepare_wraps_every_float32_linear_and_drops_panels_when_told() -> None:
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(32, 64), nn.Sequential(nn.Linear(64, 32), nn.ReLU()))
+
+    def layers(m: nn.Module) -> list[DecoderLinear]:
+        return [x for x in m.modules() if isinstance(x, DecoderLinear)]
+
+    forced = model()
+    said = prepare_linears(forced, True, kernels(), True, ChunkPool(2))
+    kinds = [type(m).__name__ for m in forced.modules()]
+    assert kinds.count("DecoderLinear") == 2 and kinds.count("TransposedLinear") == 2
+    assert "packed panels" in said and "2 threads" in said
+    assert all(x.panels is not None for x in layers(forced))
+    off = model()
+    assert "panels" not in prepare_linears(off, False, kernels(), False, ChunkPool(1))
+    assert len(layers(off)) == 2 and all(x.panels is None for x in layers(off))
+    measured = model()
+    said = prepare_linears(measured, False, kernels(), None, ChunkPool(1))
+    assert all((x.panels is not None) == ("panels" in said) for x in layers(measured))
+    gpu = model()
+    assert prepare_linears(gpu, False, None, False, None) == "torch's [out, in]"
+    assert not layers(gpu)
+
+
+def test_panels_are_off_without_kernels_or_float32_and_follow_the_environment() -> None:
+    config = EngineConfig(model="unused", device="cpu")
+    assert Platform.detect(config, {"TANDEM_NATIVE": "0"}).decoder_panels is False
+    bf16 = EngineConfig(model="unused", device="cpu", dtype="bfloat16")
+    assert Platform.detect(bf16, {}).decoder_panels is False
+    kernels()  # skips without a compiler
+    assert Platform.detect(config, {}).decoder_panels is None  # measured on the model
+    assert Platform.detect(config, {"TANDEM_PANELS": "1"}).decoder_panels is True
+    assert Platform.detect(config, {"TANDEM_PANELS": "0"}).decoder_panels is False

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from engine_core.lm_head import BLOCK, ChunkPool, LMHead
+from engine_core.lm_head import BLOCK, LMHead
 from tests.unit.engine_core.heads import engine_kernels
 
 PATHS = [pytest.param(True, id="native"), pytest.param(False, id="torch")]
@@ -105,20 +105,6 @@ def test_softcap_takes_the_torch_path():
     ref = torch.tanh(hidden @ weight.T / 5.0) * 5.0
     assert torch.allclose(scan.logits, ref, atol=1e-5)
     assert torch.allclose(scan.lse, ref.logsumexp(-1), atol=1e-5)
-
-
-def test_pool_runs_every_index_once_and_reraises():
-    pool = ChunkPool(3)
-    assert pool.map(lambda i: i * i, 50) == [i * i for i in range(50)]
-
-    def boom(i: int) -> int:
-        if i == 7:
-            raise ValueError("chunk 7")
-        return i
-
-    with pytest.raises(ValueError, match="chunk 7"):
-        pool.map(boom, 20)
-    assert pool.map(lambda i: i, 5) == list(range(5))  # still usable afterwards
 
 
 def test_head_with_bias_takes_the_linear_path():

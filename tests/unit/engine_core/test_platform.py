@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine_core.config import EngineConfig
-from engine_core.platform import Platform, head_workers, step_budget
+from engine_core.platform import Platform, head_workers, step_budget, thread_choices
+from shared.machine import available_cpus
 
 CPU = EngineConfig(model="m", device="cpu")
 
@@ -19,7 +20,10 @@ def test_cpu_defaults():
     assert p.device == torch.device("cpu") and p.dtype == torch.float32
     assert p.kv_cache_bytes == 2 << 30 and p.kv_cache_budget() == 2 << 30
     assert (p.max_num_batched_tokens, p.min_num_batched_tokens) == (2048, 512)
-    assert p.head_chunk == 8192 and p.torch_threads is None
+    assert p.head_chunk == 8192
+    cpus = available_cpus()  # each step on all cores or one fewer, as measured (threads.py)
+    assert p.thread_choices == ((cpus - 1, cpus) if cpus > 1 else (1,))
+    assert p.torch_threads == p.thread_choices[0]
 
 
 def test_flags_fix_what_they_name():
@@ -29,6 +33,7 @@ def test_flags_fix_what_they_name():
     assert p.dtype == torch.bfloat16 and p.kv_cache_budget() == 12345
     assert (p.max_num_batched_tokens, p.min_num_batched_tokens) == (300, None)
     assert p.torch_threads == 3 and p.head_workers == 1  # torch's own threads share the head
+    assert p.thread_choices == (3,)  # fixed: never measured
 
 
 def test_lm_head_backend_native_with_a_compiler_torch_when_turned_off():
@@ -57,3 +62,8 @@ def test_head_workers_every_core_only_when_torch_runs_on_one_thread():
     assert head_workers(torch.device("cpu"), 2) == 1
     assert head_workers(torch.device("cuda"), 1) == 1
     assert head_workers(torch.device("cpu"), 1) >= 1
+
+
+def test_torch_keeps_its_own_threads_on_a_gpu():
+    assert thread_choices(EngineConfig(model="m"), torch.device("cuda")) == ()
+    assert thread_choices(EngineConfig(model="m", num_threads=4), torch.device("cuda")) == (4,)

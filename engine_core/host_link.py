@@ -1,0 +1,51 @@
+"""Copies between the host and the engine's device that never stall the host on the device.
+
+On CUDA a copy to the host, or a blocking copy to the device, waits for every kernel queued
+before it: each one is a host sync, and a step that makes several loses the overlap of Python
+work with the GPU's. `HostLink` uploads step inputs from pinned memory without blocking and
+brings a step's results back together, into pinned memory, with one wait for the lot. On the
+CPU the same calls are plain copies. The platform says which (engine_core/platform.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+
+class HostLink:
+    def __init__(self, device: torch.device, pinned: bool,
+                 synchronize: Callable[[], None]) -> None:
+        """`pinned`: host buffers in page-locked memory, so copies run asynchronously;
+        `synchronize` waits for the device's queued work (a no-op on the CPU)."""
+        self.device = device
+        self.pinned = pinned
+        self._synchronize = synchronize
+
+    def upload(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """`array` on the device, its copy queued behind the work already there."""
+        host = torch.from_numpy(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) \
+            else array
+        if self.pinned:
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=self.pinned)
+
+    def upload_many(self, arrays: Sequence[np.ndarray], dtype: type[np.generic]
+                    ) -> list[torch.Tensor]:
+        """Several arrays on the device in one copy (as `dtype`), each a view of it."""
+        packed = np.concatenate([np.asarray(a, dtype=dtype).reshape(-1) for a in arrays])
+        flat = self.upload(packed)
+        return [part.view(np.shape(a)) for part, a in
+                zip(flat.split([int(np.size(a)) for a in arrays]), arrays, strict=True)]
+
+    def download(self, tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
+        """Every tensor on the host, copied back together: one wait for the device, after the
+        last copy is queued."""
+        out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pinned) for t in tensors]
+        for host, t in zip(out, tensors, strict=True):
+            host.copy_(t, non_blocking=self.pinned)
+        if self.pinned:
+            self._synchronize()
+        return [host.numpy() for host in out]

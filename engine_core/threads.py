@@ -1,0 +1,112 @@
+"""Torch's intra-op threads for each step, chosen by measuring the steps themselves.
+
+On a small CPU box the engine shares its cores with the frontends. A second torch thread pays
+off for a step whose GEMMs are large and compute-bound (prefill chunks of a real model); it
+costs for a step of small ops, where OpenMP's even split waits at every op for the thread whose
+core a frontend has taken (docs/benchmarks.md). Which steps are which depends on the model, the
+CPU and how busy the frontends are, so it is not assumed: `ThreadPolicy` keeps, for each step
+size (tokens, in powers of two), a running mean of the seconds per token that each thread count
+took, uses the faster one and now and then tries the other, less often the worse it did.
+With one choice (`--num-threads N`) it only sets N.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+WARMUP = 3  # steps of each size measured with each thread count before choosing
+EXPLORE_EVERY = 16  # steps of a size between tries of a count that is not the best
+SMOOTHING = 0.2  # weight of the newest step in a running mean
+
+
+@dataclass
+class _Arm:
+    seconds_per_token: float = 0.0
+    steps: int = 0
+
+    def add(self, value: float) -> None:
+        self.steps += 1
+        weight = max(SMOOTHING, 1.0 / self.steps)  # a plain mean until it has a few steps
+        self.seconds_per_token += weight * (value - self.seconds_per_token)
+
+
+@dataclass
+class _Size:
+    arms: dict[int, _Arm]
+    steps: int = 0
+    best: int = 0  # the thread count it uses, once every count has been measured
+
+
+@dataclass
+class ThreadPolicy:
+    """Picks the thread count of each step from `choices`; see the module docstring."""
+
+    choices: tuple[int, ...]
+    set_threads: Callable[[int], None] = torch.set_num_threads
+    _sizes: dict[int, _Size] = field(default_factory=dict)
+    _current: int = 0
+
+    def choose(self, tokens: int) -> int:
+        size = self._size(tokens)
+        size.steps += 1
+        for n, arm in size.arms.items():
+            if arm.steps < WARMUP:
+                return n
+        best = min(size.arms, key=lambda n: size.arms[n].seconds_per_token)
+        for n, arm in size.arms.items():
+            if n != best and size.steps % self._explore_every(arm, size.arms[best]) == 0:
+                return n
+        return best
+
+    def record(self, tokens: int, threads: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        size = self._size(tokens)
+        size.arms[threads].add(seconds / tokens)
+        if all(a.steps >= WARMUP for a in size.arms.values()):
+            best = min(size.arms, key=lambda n: size.arms[n].seconds_per_token)
+            if best != size.best:
+                log.log(logging.INFO if not size.best else logging.DEBUG,
+                        "steps of %d-%d tokens now run on %d torch thread(s): %s ms per token",
+                        1 << (tokens.bit_length() - 1), (1 << tokens.bit_length()) - 1, best,
+                        {n: round(a.seconds_per_token * 1e3, 3) for n, a in size.arms.items()})
+                size.best = best
+
+    @contextmanager
+    def step(self, tokens: int) -> Iterator[int]:
+        """Run a step of `tokens` tokens on the chosen thread count and record its time."""
+        if not self.choices:  # torch's own choice
+            yield torch.get_num_threads()
+            return
+        threads = self.choose(tokens)
+        if threads != self._current:
+            self.set_threads(threads)
+            self._current = threads
+        start = time.perf_counter()
+        yield threads
+        if len(self.choices) > 1:
+            self.record(tokens, threads, time.perf_counter() - start)
+
+    def best(self) -> dict[int, int]:
+        """{size class: the thread count it now uses}, for the log and the tests."""
+        return {bits: s.best for bits, s in sorted(self._sizes.items()) if s.best}
+
+    def _size(self, tokens: int) -> _Size:
+        bits = max(1, tokens).bit_length()
+        size = self._sizes.get(bits)
+        if size is None:
+            size = self._sizes[bits] = _Size({n: _Arm() for n in self.choices})
+        return size
+
+    @staticmethod
+    def _explore_every(arm: _Arm, best: _Arm) -> int:
+        """A count that took twice the best's time is tried a quarter as often, and so on."""
+        ratio = arm.seconds_per_token / max(best.seconds_per_token, 1e-12)
+        return EXPLORE_EVERY * max(1, min(16, int(ratio * ratio)))

@@ -1,0 +1,42 @@
+import threading
+
+import pytest
+
+from engine_core.chunk_pool import ChunkPool
+
+
+def test_pool_runs_every_index_once_and_reraises():
+    pool = ChunkPool(3)
+    assert pool.map(lambda i: i * i, 50) == [i * i for i in range(50)]
+
+    def boom(i: int) -> int:
+        if i == 7:
+            raise ValueError("chunk 7")
+        return i
+
+    with pytest.raises(ValueError, match="chunk 7"):
+        pool.map(boom, 20)
+    assert pool.map(lambda i: i, 5) == list(range(5))  # still usable afterwards
+
+
+def test_use_limits_the_threads_of_the_next_maps():
+    pool = ChunkPool(2)
+
+    def threads_seen(n: int) -> set[int]:
+        seen: set[int] = set()
+        barrier = threading.Barrier(2, timeout=0.5)
+
+        def chunk(i: int) -> None:
+            seen.add(threading.get_ident())
+            if i == 0:  # with two threads, both meet here; alone, the wait times out
+                try:
+                    barrier.wait()
+                except threading.BrokenBarrierError:
+                    pass
+        pool.map(chunk, n)
+        return seen
+
+    pool.use(1)
+    assert threads_seen(4) == {threading.get_ident()}
+    pool.use(5)  # capped at the pool's own
+    assert pool.active == 2

@@ -1,0 +1,68 @@
+from engine_core.threads import EXPLORE_EVERY, WARMUP, ThreadPolicy
+
+
+def run(policy: ThreadPolicy, tokens: int, cost: dict[int, float], steps: int) -> list[int]:
+    """Drive `steps` steps of `tokens` tokens whose time per token is cost[threads]."""
+    used = []
+    for _ in range(steps):
+        n = policy.choose(tokens)
+        policy.record(tokens, n, cost[n] * tokens)
+        used.append(n)
+    return used
+
+
+def test_measures_each_count_then_keeps_the_faster_and_tries_the_other_now_and_then():
+    policy = ThreadPolicy((1, 2), set_threads=lambda n: None)
+    used = run(policy, 512, {1: 2.0, 2: 1.0}, 200)
+    assert used[:2 * WARMUP].count(1) == WARMUP and used[:2 * WARMUP].count(2) == WARMUP
+    later = used[2 * WARMUP:]
+    assert later.count(2) > 0.9 * len(later)
+    assert 0 < later.count(1) <= len(later) // EXPLORE_EVERY + 1
+    assert policy.best() == {(512).bit_length(): 2}
+
+
+def test_each_step_size_learns_on_its_own():
+    policy = ThreadPolicy((1, 2), set_threads=lambda n: None)
+    run(policy, 16, {1: 1.0, 2: 3.0}, 50)  # small steps: the second thread stalls them
+    run(policy, 1024, {1: 2.0, 2: 1.2}, 50)  # big steps: it pays
+    assert policy.best() == {(16).bit_length(): 1, (1024).bit_length(): 2}
+
+
+def test_a_much_worse_count_is_tried_less_often():
+    near = run(ThreadPolicy((1, 2), set_threads=lambda n: None), 64, {1: 1.0, 2: 1.1}, 600)
+    far = run(ThreadPolicy((1, 2), set_threads=lambda n: None), 64, {1: 1.0, 2: 4.0}, 600)
+    assert far.count(2) < near.count(2) / 4
+
+
+def test_it_follows_a_change_in_which_is_faster():
+    """A frontend that becomes busy makes the second thread a loss: the policy notices."""
+    policy = ThreadPolicy((1, 2), set_threads=lambda n: None)
+    run(policy, 256, {1: 2.0, 2: 1.0}, 100)
+    used = run(policy, 256, {1: 2.0, 2: 5.0}, 100)
+    assert used[-50:].count(1) > 45
+
+
+def test_step_sets_torch_threads_only_when_they_change():
+    calls: list[int] = []
+    policy = ThreadPolicy((1, 2), set_threads=calls.append)
+    for _ in range(2 * WARMUP):  # WARMUP steps on 1 thread, then WARMUP on 2
+        with policy.step(8):
+            pass
+    assert calls == [1, 2]
+
+
+def test_a_fixed_count_is_set_once_and_never_measured():
+    calls: list[int] = []
+    policy = ThreadPolicy((3,), set_threads=calls.append)
+    for tokens in (1, 8, 2048, 8):
+        with policy.step(tokens) as n:
+            assert n == 3
+    assert calls == [3] and policy.best() == {}
+
+
+def test_no_choices_leaves_torch_alone():
+    calls: list[int] = []
+    policy = ThreadPolicy((), set_threads=calls.append)
+    with policy.step(64):
+        pass
+    assert calls == []
