@@ -9,6 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from shared.argv import ConfigFileError, normalize
+from shared.curve import CurveKeyError, server_keys
 from shared.engine_args import add_engine_args, check_engine_args
 from shared.messages import Ready
 
@@ -26,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "weights, built on first use)")
     parser.add_argument("--listen", default="tcp://127.0.0.1:5570",
                         help="ZeroMQ address to bind, tcp://HOST:PORT or ipc://PATH")
+    parser.add_argument("--curve-keys", default=os.environ.get("TANDEM_CURVE_KEYS"),
+                        help="folder from `tandem keys`: admit only frontends holding a listed "
+                             "keypair (CURVE; for tcp:// beyond loopback; default: "
+                             "$TANDEM_CURVE_KEYS)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     add_engine_args(parser)
@@ -42,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     problem = check_engine_args(args)
     if problem is not None:
         parser.error(problem)
+    if args.curve_keys is not None:
+        try:
+            server_keys(args.curve_keys)  # before the model loads: a wrong folder fails at once
+        except CurveKeyError as exc:
+            parser.error(str(exc))
     log_format = f"%(asctime)s engine[{os.getpid()}] %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=args.log_level.upper(), format=log_format)
     from engine_core.config import EngineConfig
@@ -67,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as e:
         print(f"tandem engine: cannot start: {e}", file=sys.stderr)
         return 2
-    serve(core, args.listen, ready_message(config, core.facts))
+    serve(core, args.listen, ready_message(config, core.facts), args.curve_keys)
     return 0
 
 

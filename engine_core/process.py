@@ -32,6 +32,7 @@ import zmq
 from engine_core.engine import EngineCore
 from engine_core.liveness import FrontendLiveness, LoopProgress
 from engine_core.metrics import HistogramTotals
+from shared.curve import secure_server, warn_if_open
 from shared.messages import (
     AbortRequest,
     AddRequest,
@@ -56,9 +57,10 @@ REAP_EVERY_S = 1.0  # how often the loop looks for frontends gone silent
 
 class EngineProcess:
     def __init__(self, core: EngineCore, listen: str, ready: Ready,
-                 frontend_timeout_s: float = 5.0) -> None:
+                 frontend_timeout_s: float = 5.0, curve_keys: str | None = None) -> None:
         """`frontend_timeout_s`: a frontend that pinged and then stays silent this long is
-        gone, and its requests are aborted."""
+        gone, and its requests are aborted. `curve_keys`: a key folder (shared/curve.py); only
+        clients holding a listed keypair then reach the socket."""
         self.core = core
         self.listen = listen
         self.ready = ready
@@ -73,6 +75,10 @@ class EngineProcess:
         self._next_reap = time.monotonic() + REAP_EVERY_S
         self.router = self.ctx.socket(zmq.ROUTER)
         configure(self.router)
+        if curve_keys is None:
+            warn_if_open(listen)
+        else:
+            secure_server(self.ctx, self.router, curve_keys)
         self.router.bind(listen)
         self.out_pull = self.ctx.socket(zmq.PULL)
         self.out_pull.bind(_OUT_ADDR)
@@ -220,9 +226,9 @@ class EngineProcess:
             push.send_multipart([owner, frame], copy=False)
 
 
-def serve(core: EngineCore, listen: str, ready: Ready) -> None:
+def serve(core: EngineCore, listen: str, ready: Ready, curve_keys: str | None = None) -> None:
     """Run the engine until SIGINT/SIGTERM."""
-    proc = EngineProcess(core, listen, ready)
+    proc = EngineProcess(core, listen, ready, curve_keys=curve_keys)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: proc.stop())
     proc.run()

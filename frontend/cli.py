@@ -1,4 +1,5 @@
-"""The `tandem` command: serve (engine + N frontends on one port), engine, frontend, bench.
+"""The `tandem` command: serve (engine + N frontends on one port), engine, frontend, bench,
+keys (CURVE keypairs for the engine socket).
 
 The launcher knows both halves only as command lines: it starts `python -m engine_core` and
 `python -m frontend.server` as child processes and never imports the engine (or torch).
@@ -20,6 +21,14 @@ import zmq
 
 from frontend.options import add_frontend_args, check_frontend_args, frontend_argv
 from shared.argv import ConfigFileError, normalize
+from shared.curve import (
+    ClientKeys,
+    CurveKeyError,
+    client_keys,
+    create_keys,
+    secure_client,
+    server_keys,
+)
 from shared.engine_args import add_engine_args, check_engine_args, engine_argv
 from shared.messages import Hello, Ready, StepProgress, UtilityRequest, UtilityResult
 from shared.transport import InputCodec, OutputCodec, configure, is_stalled, new_identity
@@ -53,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-address", default=None,
                        help="ZeroMQ address for the engine "
                             "(default: an ipc:// socket in a temp folder)")
+    serve.add_argument("--curve-keys", default=os.environ.get("TANDEM_CURVE_KEYS"),
+                       help="folder from `tandem keys`: the engine admits only CURVE clients "
+                            "holding its keys (for a tcp:// --engine-address; default: "
+                            "$TANDEM_CURVE_KEYS)")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     serve.add_argument("--ready-timeout", type=float, default=900.0,
@@ -66,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run one frontend against an engine (see `tandem frontend --help`)",
                    add_help=False)
     sub.add_parser("bench", help="benchmarks (see `tandem bench serve --help`)", add_help=False)
+    keys = sub.add_parser("keys", help="write engine and frontend CURVE keypairs into DIR",
+                          description="Write engine.key(_secret) and frontend.key(_secret) "
+                                      "for --curve-keys into DIR (created if missing).")
+    keys.add_argument("dir", help="folder for the key files")
     return parser
 
 
@@ -82,11 +99,31 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigFileError as exc:
         parser.error(str(exc))
     args = parser.parse_args(argv)
+    if args.command == "keys":
+        return write_keys(args.dir)
     check_frontend_args(parser, args)
     problem = check_engine_args(args)
     if problem is not None:
         parser.error(problem)
-    return Launcher(args).run()
+    try:  # both halves read the same folder here; a wrong one fails before the model loads
+        curve = None if args.curve_keys is None else client_keys(args.curve_keys)
+        if args.curve_keys is not None:
+            server_keys(args.curve_keys)
+    except CurveKeyError as exc:
+        parser.error(str(exc))
+    return Launcher(args, curve).run()
+
+
+def write_keys(folder: str) -> int:
+    try:
+        files = create_keys(folder)
+    except (CurveKeyError, OSError) as exc:
+        print(f"tandem keys: {exc}", file=sys.stderr)
+        return 1
+    print("tandem keys: wrote " + ", ".join(str(f) for f in files) + "\n"
+          "The engine's host needs engine.key_secret and frontend.key; each frontend's host "
+          "needs frontend.key_secret and engine.key. Pass --curve-keys to both.")
+    return 0
 
 
 class Launcher:
@@ -97,8 +134,9 @@ class Launcher:
     backoff that grows with its recent deaths) while the others keep serving the port; only one
     that keeps dying stops the server."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, curve: ClientKeys | None = None) -> None:
         self.args = args
+        self.curve = curve  # the launcher's own sockets connect as a frontend does
         self.tmp = tempfile.TemporaryDirectory(prefix="tandem-")
         self.address = args.engine_address or f"ipc://{self.tmp.name}/engine.sock"
         self.engine: subprocess.Popen[bytes] | None = None
@@ -138,7 +176,8 @@ class Launcher:
         # (engine_core/threads.py): all cores for the steps they speed up, one fewer for the
         # steps that a busy frontend would stall.
         cmd = [sys.executable, "-m", "engine_core", *([args.model] if args.model else []),
-               "--listen", self.address, "--log-level", args.log_level, *engine_argv(args)]
+               "--listen", self.address, "--log-level", args.log_level, *engine_argv(args),
+               *_curve_argv(args)]
         return subprocess.Popen(cmd, preexec_fn=_child_setup)
 
     def _ready_file(self, i: int) -> str:
@@ -149,7 +188,8 @@ class Launcher:
                "--ready-file", self._ready_file(i),
                "--host", self.args.host, "--port", str(self.args.port), "--reuse-port",
                "--shutdown-grace", str(self.args.shutdown_grace),
-               "--log-level", self.args.log_level, *frontend_argv(self.args)]
+               "--log-level", self.args.log_level, *frontend_argv(self.args),
+               *_curve_argv(self.args)]
         env = dict(os.environ)
         if self.args.api_key:
             env["TANDEM_API_KEY"] = self.args.api_key  # not on the command line, where ps shows it
@@ -160,6 +200,8 @@ class Launcher:
         sock = ctx.socket(zmq.DEALER)
         configure(sock)
         sock.setsockopt(zmq.IDENTITY, new_identity("launcher"))
+        if self.curve is not None:
+            secure_client(sock, self.curve)
         sock.connect(self.address)
         sock.send(InputCodec().encode(Hello("launcher")))
         deadline = time.monotonic() + self.args.ready_timeout
@@ -204,7 +246,7 @@ class Launcher:
 
     def _supervise(self) -> int:
         assert self.engine is not None
-        with EngineWatch(self.address) as watch:
+        with EngineWatch(self.address, self.curve) as watch:
             while self.stop_signal is None:
                 if self.engine.poll() is not None or self._engine_stuck(watch):
                     return self._engine_died()
@@ -268,11 +310,13 @@ class EngineWatch:
     progress its answers carry (`None` until one came back). A stuck loop is restarted as a dead
     engine is; a silent engine is the frontends' to judge (they fail requests within 2 s)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, curve: ClientKeys | None = None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         configure(self.sock)
         self.sock.setsockopt(zmq.IDENTITY, new_identity("launcher-watch"))
+        if curve is not None:
+            secure_client(self.sock, curve)
         self.sock.connect(address)
         self.codec, self.out = InputCodec(), OutputCodec()
         self.next_ping = 0.0
@@ -299,6 +343,10 @@ class EngineWatch:
             self.next_ping = now + WATCH_PING_S
             self.sock.send(self.codec.encode(UtilityRequest(0, "ping")))
         return self.last
+
+
+def _curve_argv(args: argparse.Namespace) -> list[str]:
+    return [] if args.curve_keys is None else ["--curve-keys", args.curve_keys]
 
 
 def _child_setup() -> None:

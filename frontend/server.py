@@ -44,6 +44,7 @@ from frontend.openai.tokens import ServingTokens
 from frontend.options import add_frontend_args, check_frontend_args
 from frontend.text.tokenizer import load_tokenizer
 from shared.argv import ConfigFileError, normalize
+from shared.curve import ClientKeys, CurveKeyError, client_keys
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class FrontendConfig:
     access_log: bool = True  # an access-log line per HTTP request
     http_log_level: str = "info"  # aiohttp's own loggers
     log_requests: bool = False  # a line per request: id, prompt length, parameters
+    curve: ClientKeys | None = None  # CURVE keys for the engine socket (shared/curve.py)
 
     @property
     def auto_tool_parser(self) -> str | None:
@@ -132,6 +134,7 @@ async def engine_context(
         heartbeat_interval=config.heartbeat_interval,
         silence_timeout=config.silence_timeout,
         stall_timeout=config.stall_timeout,
+        curve=config.curve,
     )
     ready = await client.start()
     try:
@@ -312,6 +315,9 @@ def parse_args(argv: list[str] | None = None) -> FrontendConfig:
                         help="seconds a busy engine may finish no step before it counts as "
                              "dead (at least; 5x its slowest step if more)")
     parser.add_argument("--ready-file", default=None, help="file to create once listening")
+    parser.add_argument("--curve-keys", default=os.environ.get("TANDEM_CURVE_KEYS"),
+                        help="folder with frontend.key_secret and engine.key (`tandem keys`): "
+                             "connect with CURVE (default: $TANDEM_CURVE_KEYS)")
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
@@ -321,6 +327,10 @@ def parse_args(argv: list[str] | None = None) -> FrontendConfig:
     except ConfigFileError as exc:
         parser.error(str(exc))
     check_frontend_args(parser, args)
+    try:
+        curve = None if args.curve_keys is None else client_keys(args.curve_keys)
+    except CurveKeyError as exc:
+        parser.error(str(exc))
     logging.getLogger().setLevel(args.log_level.upper())
     return FrontendConfig(
         engine_address=args.engine,
@@ -349,6 +359,7 @@ def parse_args(argv: list[str] | None = None) -> FrontendConfig:
         max_request_body_bytes=args.max_request_body_bytes,
         http_read_timeout=args.http_read_timeout,
         http_write_timeout=args.http_write_timeout,
+        curve=curve,
     )
 
 

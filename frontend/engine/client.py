@@ -26,6 +26,7 @@ import zmq.asyncio
 from frontend.engine.latency import LatencyRecorder
 from frontend.engine.stream import OutputStream, StepItem
 from shared import messages as wire
+from shared.curve import ClientKeys, secure_client
 from shared.messages import FinishReason
 from shared.step_outputs import unpack_step
 from shared.transport import (
@@ -68,8 +69,10 @@ class EngineClient:
         heartbeat_interval: float = 0.25,
         silence_timeout: float = 1.25,
         stall_timeout: float = DEFAULT_STALL_FLOOR_S,
+        curve: ClientKeys | None = None,
     ) -> None:
-        """`stall_timeout`: the least time a busy engine may go without finishing a step."""
+        """`stall_timeout`: the least time a busy engine may go without finishing a step.
+        `curve`: keys to connect with when the engine requires CURVE (shared/curve.py)."""
         self.address = address
         self.identity = new_identity()
         self._handshake_timeout = handshake_timeout
@@ -77,6 +80,7 @@ class EngineClient:
         self._silence_timeout = silence_timeout
         self._stall_timeout = stall_timeout
         self._stalled = False  # the engine answers but its loop makes no progress
+        self._curve = curve
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._in = InputCodec()
@@ -112,6 +116,8 @@ class EngineClient:
         """Connect, say Hello and wait for Ready; raises EngineUnavailableError on timeout."""
         self._sock.setsockopt(zmq.IDENTITY, self.identity)
         configure(self._sock)
+        if self._curve is not None:
+            secure_client(self._sock, self._curve)
         self._sock.connect(self.address)
         self._send(wire.Hello(client_id=self.identity.decode()))
         try:
@@ -121,7 +127,9 @@ class EngineClient:
             raise EngineUnavailableError(
                 f"No answer from the engine at {self.address} within "
                 f"{self._handshake_timeout:g} s (sent HELLO, expected READY). "
-                "Is the engine running and listening on that address?"
+                "Is the engine running and listening on that address"
+                + (", and are its --curve-keys and ours from one `tandem keys` folder?"
+                   if self._curve else "? (If it has --curve-keys, pass ours too.)")
             ) from None
         self._heard()
         loop = asyncio.get_running_loop()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import zmq
 
+from shared.curve import ClientKeys, secure_client
 from shared.messages import (
     AddRequest,
     EngineOutput,
@@ -32,11 +33,14 @@ def start_engine(model: Path, address: str, *extra: str) -> subprocess.Popen:
 class EngineConn:
     """A blocking DEALER client for tests."""
 
-    def __init__(self, address: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 60.0,
+                 curve: ClientKeys | None = None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         configure(self.sock)
         self.sock.setsockopt(zmq.IDENTITY, new_identity("test"))
+        if curve is not None:
+            secure_client(self.sock, curve)
         self.sock.connect(address)
         self.inp, self.out = InputCodec(), OutputCodec()
         self.calls = itertools.count()
