@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 WARMUP = 3  # steps of each size measured with each thread count before choosing
 EXPLORE_EVERY = 16  # steps of a size between tries of a count that is not the best
 SMOOTHING = 0.2  # weight of the newest step in a running mean
+# More threads must be this much faster to be used: a core the engine takes for a small gain
+# is a core a busy frontend loses, which the engine's own step times do not show
+# (docs/benchmarks.md: the tiny model at concurrency 64).
+MORE_THREADS_MARGIN = 1.2
 
 
 @dataclass
@@ -59,7 +63,7 @@ class ThreadPolicy:
         for n, arm in size.arms.items():
             if arm.steps < WARMUP:
                 return n
-        best = min(size.arms, key=lambda n: size.arms[n].seconds_per_token)
+        best = self._best(size)
         for n, arm in size.arms.items():
             if n != best and size.steps % self._explore_every(arm, size.arms[best]) == 0:
                 return n
@@ -71,7 +75,7 @@ class ThreadPolicy:
         size = self._size(tokens)
         size.arms[threads].add(seconds / tokens)
         if all(a.steps >= WARMUP for a in size.arms.values()):
-            best = min(size.arms, key=lambda n: size.arms[n].seconds_per_token)
+            best = self._best(size)
             if best != size.best:
                 log.log(logging.INFO if not size.best else logging.DEBUG,
                         "steps of %d-%d tokens now run on %d torch thread(s): %s ms per token",
@@ -97,6 +101,12 @@ class ThreadPolicy:
     def best(self) -> dict[int, int]:
         """{size class: the thread count it now uses}, for the log and the tests."""
         return {bits: s.best for bits, s in sorted(self._sizes.items()) if s.best}
+
+    def _best(self, size: _Size) -> int:
+        """The fewest threads whose time is within MORE_THREADS_MARGIN of the fastest's."""
+        fastest = min(a.seconds_per_token for a in size.arms.values())
+        return min(n for n, a in size.arms.items()
+                   if a.seconds_per_token <= fastest * MORE_THREADS_MARGIN)
 
     def _size(self, tokens: int) -> _Size:
         bits = max(1, tokens).bit_length()

@@ -42,6 +42,7 @@ HUB_FILES = [
     PROCESSOR_CHAT_TEMPLATE_FILE,
     f"{CHAT_TEMPLATE_DIR}/*.jinja",
 ]
+LONG_TEXT = 16 * 1024  # characters from which encode releases the GIL (see FastTokenizer.encode)
 DEFAULT_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 # The named special tokens, in transformers' order (special_tokens_map, all_special_tokens).
 SPECIAL_TOKEN_NAMES = (
@@ -312,10 +313,13 @@ class FastTokenizer:
             encoding = self._tokenizer.encode(
                 text, text_pair, add_special_tokens=add_special_tokens
             )
-        else:  # encode_batch releases the GIL (encode holds it): a long text tokenized on a
-            # worker thread leaves the event loop free; same ids, same cost
+        elif len(text) >= LONG_TEXT:  # encode_batch releases the GIL (encode holds it): a
+            # long text tokenized on a worker thread leaves the event loop free; same ids
             batch = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
             encoding = batch[0]
+        else:  # encode_batch's handoff to the library's thread pool, whose threads then spin
+            # a while, costs a short text more than it takes, and takes a core from the engine
+            encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return list(encoding.ids)
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:

@@ -66,3 +66,12 @@ def test_no_choices_leaves_torch_alone():
     with policy.step(64):
         pass
     assert calls == []
+
+
+def test_more_threads_only_for_a_clear_gain():
+    """A 10% gain does not take a core from the frontends; a 40% one does."""
+    small = ThreadPolicy((1, 2), set_threads=lambda n: None)
+    run(small, 64, {1: 1.1, 2: 1.0}, 100)
+    large = ThreadPolicy((1, 2), set_threads=lambda n: None)
+    run(large, 64, {1: 1.4, 2: 1.0}, 100)
+    assert small.best() == {(64).bit_length(): 1} and large.best() == {(64).bit_length(): 2}
