@@ -41,13 +41,19 @@ class EngineConn:
         self.sock.setsockopt(zmq.IDENTITY, new_identity("test"))
         if curve is not None:
             secure_client(self.sock, curve)
+        self.timeout_ms = int(timeout_s * 1000)
+        # A DEALER's send blocks while it has no peer: once the engine refuses a CURVE
+        # handshake, libzmq drops the pipe, so a send must time out like a receive.
+        self.sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
         self.sock.connect(address)
         self.inp, self.out = InputCodec(), OutputCodec()
         self.calls = itertools.count()
-        self.timeout_ms = int(timeout_s * 1000)
 
     def send(self, msg) -> None:
-        self.sock.send(self.inp.encode(msg))
+        try:
+            self.sock.send(self.inp.encode(msg))
+        except zmq.Again:
+            raise TimeoutError("no connection to the engine to send on") from None
 
     def recv(self) -> EngineOutput:
         if not self.sock.poll(self.timeout_ms):
