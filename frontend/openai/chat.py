@@ -59,9 +59,7 @@ class ServingChat:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         req, tools, plan = await prepare(await request.read(), self.read)
         if req.stream:
-            if tools.active:
-                return await self._stream_tools(request, req, plan, tools)
-            return await self._stream(request, req, plan)
+            return await self._stream(request, req, plan, tools)
         return await self._complete(req, plan, tools)
 
     def read(self, body: bytes) -> tuple[ChatCompletionRequest, ToolPlan, RequestPlan]:
@@ -103,21 +101,32 @@ class ServingChat:
             ChatCompletionResponse(plan.id, plan.created, plan.model, choices, plan.usage())
         )
 
-    async def _stream_tools(
+    async def _stream(
         self, request: web.Request, req: ChatCompletionRequest, plan: RequestPlan,
         tools: ToolPlan,
     ) -> web.StreamResponse:
-        """The stream of a request whose answer is read for tool calls: content and call deltas
-        each in their own chunk; the delta's logprobs and finish go with its last chunk."""
+        """The role first, once per choice; then each delta's content in a chunk or, when the
+        answer is read for tool calls, its content and call deltas each in their own chunk; the
+        delta's logprobs and finish go with its last chunk."""
         options = req.stream_options
         with_usage = options is not None and options.continuous_usage_stats
         logprobs = ChatLogprobsBuilder(self.served.token_text, top_logprobs(req))
-        readers = [ChoiceTools(tools) for _ in plan.choices]
+        readers = [ChoiceTools(tools) for _ in plan.choices] if tools.active else None
         greeted = [False] * len(plan.choices)
 
         def chunk(index: int, choice: ChatStreamChoice) -> ChatCompletionChunk:
             usage = plan.choices[index].usage() if with_usage else None
             return ChatCompletionChunk(plan.id, plan.created, plan.model, [choice], usage)
+
+        def messages_of(index: int, delta: ChoiceDelta) -> tuple[list[DeltaMessage], str | None]:
+            if readers is None:
+                content = [] if delta.is_empty else [DeltaMessage(content=delta.text)]
+                return content, delta.finish_reason
+            messages = tool_deltas(readers[index], delta)
+            if not messages and not delta.is_empty:
+                messages = [DeltaMessage()]
+            return messages, tools.finish_reason(delta.finish_reason,
+                                                 bool(readers[index].calls()))
 
         def chunks_of(index: int, delta: ChoiceDelta) -> list[ChatCompletionChunk]:
             chunks = []
@@ -125,46 +134,12 @@ class ServingChat:
                 greeted[index] = True
                 role = DeltaMessage(self.response_role, "")
                 chunks.append(chunk(index, ChatStreamChoice(index, role)))
-            messages = tool_deltas(readers[index], delta)
-            if not messages and not delta.is_empty:
-                messages = [DeltaMessage()]
-            finish = tools.finish_reason(delta.finish_reason, bool(readers[index].calls()))
+            messages, finish = messages_of(index, delta)
             for i, message in enumerate(messages):
                 last = i == len(messages) - 1
                 chunks.append(chunk(index, ChatStreamChoice(
                     index, message, logprobs.of(delta) if last else None,
                     finish if last else None, delta.stop_reason if last else None)))
-            return chunks
-
-        def usage_chunk(usage: Usage) -> ChatCompletionChunk:
-            return ChatCompletionChunk(plan.id, plan.created, plan.model, [], usage)
-
-        final = usage_chunk if options is not None and options.include_usage else None
-        return await stream_choices(request, self.client, plan, chunks_of, final)
-
-    async def _stream(
-        self, request: web.Request, req: ChatCompletionRequest, plan: RequestPlan
-    ) -> web.StreamResponse:
-        options = req.stream_options
-        with_usage = options is not None and options.continuous_usage_stats
-        logprobs = ChatLogprobsBuilder(self.served.token_text, top_logprobs(req))
-        greeted = [False] * len(plan.choices)
-
-        def chunk(index: int, choice: ChatStreamChoice) -> ChatCompletionChunk:
-            usage = plan.choices[index].usage() if with_usage else None
-            return ChatCompletionChunk(plan.id, plan.created, plan.model, [choice], usage)
-
-        def chunks_of(index: int, delta: ChoiceDelta) -> list[ChatCompletionChunk]:
-            chunks = []
-            if not greeted[index]:  # the role comes first, once per choice
-                greeted[index] = True
-                role = DeltaMessage(self.response_role, "")
-                chunks.append(chunk(index, ChatStreamChoice(index, role)))
-            if not delta.is_empty:
-                content = DeltaMessage(content=delta.text)
-                chunks.append(chunk(index, ChatStreamChoice(
-                    index, content, logprobs.of(delta), delta.finish_reason, delta.stop_reason
-                )))
             return chunks
 
         def usage_chunk(usage: Usage) -> ChatCompletionChunk:
