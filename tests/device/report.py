@@ -101,6 +101,14 @@ def _leak(r: dict[str, Any]) -> str:
     return f", {held} KV blocks still in use after the run" if held else ""
 
 
+def _structured(r: dict[str, Any]) -> str:
+    return (f"{r['requests']} constrained requests ({r['dtype']}): {r['finished']['stop']} "
+            f"complete and valid, {r['finished']['length']} cut by max_tokens, "
+            f"{len(r['failures'])} wrong; decode step at batch {r['batch']}: free "
+            f"{r['free_step_ms']:.2f} ms, constrained {r['constrained_step_ms']:.2f} ms "
+            f"({r['constrained_over_free']:.2f}× the speed){_leak(r)}")
+
+
 def _throughput(r: dict[str, Any]) -> str:
     engine, base = r["engine"], r["baselines"][r["baseline_used"]]
     return (f"batch {r['batch']}, {r['input_len']}+{r['output_len']}: engine "
@@ -127,7 +135,8 @@ def _serve(r: dict[str, Any]) -> str:
 
 
 _FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
-    "build": _build, "parity_fp32": _fp32, "parity_bf16": _bf16, "throughput": _throughput,
+    "build": _build, "parity_fp32": _fp32, "parity_bf16": _bf16, "structured": _structured,
+    "throughput": _throughput,
     "profile": _profile, "serve": _serve,
 }
 

@@ -39,6 +39,7 @@ def test_every_stage_runs_and_parity_holds(dry_run: tuple[int, Path, str]) -> No
     assert all(record["ok"] for record in stages.values()), stages
     assert stages["parity_fp32"]["passed"] and stages["parity_fp32"]["chunked_prefills"] > 0
     assert stages["parity_bf16"]["passed"]
+    assert stages["structured"]["passed"] and stages["structured"]["finished"]["stop"] > 0
     assert stages["throughput"]["engine"]["tokens"] == DRY_SIZES.batch * DRY_SIZES.output_len
     assert stages["serve"]["completed"] == DRY_SIZES.serve_prompts
     assert stages["serve"]["failed"] == 0
