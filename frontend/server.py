@@ -38,7 +38,12 @@ from frontend.openai.chat import ServingChat
 from frontend.openai.completions import ServingCompletions
 from frontend.openai.plan import REQUEST_LOG
 from frontend.openai.protocol import ModelList
-from frontend.openai.served_model import ServedModel, read_chat_template, use_chat_template
+from frontend.openai.served_model import (
+    ServedModel,
+    read_chat_template,
+    template_reads_tools,
+    use_chat_template,
+)
 from frontend.openai.serving import RETRY_AFTER_S, json_response
 from frontend.openai.tokens import ServingTokens
 from frontend.options import add_frontend_args, check_frontend_args
@@ -143,6 +148,11 @@ async def engine_context(
         )
         if config.chat_template is not None:
             use_chat_template(tokenizer, config.chat_template)
+        if config.auto_tool_parser and not template_reads_tools(tokenizer):
+            logger.warning("--enable-auto-tool-choice: this chat template never reads `tools`, "
+                           "so the model is not shown the tools it may call (tool_choice "
+                           '"required" and named functions still constrain the output); pass '
+                           "--chat-template with a template that renders them")
         served = ServedModel.from_ready(tokenizer, ready, config.served_model_name)
         app[ENGINE] = client
         app[SERVED] = served

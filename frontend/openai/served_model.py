@@ -7,6 +7,7 @@ a prompt is acceptable, and has it render chats. Its checks raise OpenAIError (4
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,13 @@ def read_chat_template(value: str | None) -> str | None:
         return path.read_text() if path.is_file() else value
     except OSError as exc:
         raise ValueError(f"--chat-template {value}: {exc}") from None
+
+
+def template_reads_tools(tokenizer: Any) -> bool:
+    """Whether the chat template names the `tools` variable at all (one that does not, such as
+    the DeepSeek-R1 distills', renders the same prompt with or without tools)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return bool(template) and re.search(r"\btools\b", str(template)) is not None
 
 
 def use_chat_template(tokenizer: Any, template: str) -> None:

@@ -13,12 +13,14 @@ from aiohttp.test_utils import TestClient
 from frontend.errors import OpenAIError
 from frontend.openai.protocol_chat import ChatMessage
 from frontend.openai.served_model import render_chat
+from frontend.server import init_app
 from shared.messages import read_ints
 from tests.unit.fake_engine import (
     BOS,
     EOS,
     FakeEngine,
     cached_tokenizer,
+    frontend_config,
     sse_events,
     tokenizer_folder,
 )
@@ -244,3 +246,18 @@ def test_template_problems_are_400s() -> None:
         with pytest.raises(OpenAIError) as caught:
             render_chat(Tokenizer(template), [ChatMessage(role="user", content="hi")])
         assert caught.value.status == 400 and words in caught.value.message
+
+
+@pytest.mark.parametrize("template, warned", [
+    (None, True),  # the embedded model's own: DeepSeek-R1-Distill's never reads `tools`
+    ("{% for t in tools or [] %}{{ t.function.name }}{% endfor %}"
+     "{% for m in messages %}{{ m.content }}{% endfor %}", False),
+])
+async def test_auto_tool_choice_warns_when_the_template_never_shows_the_tools(
+        aiohttp_client: Any, engine: FakeEngine, caplog: pytest.LogCaptureFixture,
+        template: str | None, warned: bool) -> None:
+    config = frontend_config(engine, enable_auto_tool_choice=True, tool_call_parser="hermes",
+                             chat_template=template)
+    with caplog.at_level("WARNING", logger="frontend.server"):
+        await aiohttp_client(init_app(config, cached_tokenizer))
+    assert ("never reads `tools`" in caplog.text) == warned
