@@ -29,7 +29,6 @@ from tests.engine.test_structured import CHOICES, REGEX, SCHEMAS
 
 TOP = 20
 DTYPE = "bfloat16"
-NEW_TOKENS = 96
 
 
 def constraints() -> dict[str, tuple[StructuredOutput, Any]]:
@@ -51,8 +50,8 @@ def structured(ctx: Context) -> dict[str, Any]:
     for name, (constraint, _) in checks.items():
         for temperature in (0.0, 0.8):
             core.add_request(f"{name}@{temperature}", prompt, SamplingParams(
-                max_tokens=NEW_TOKENS, temperature=temperature, seed=7, logprobs=TOP,
-                structured=constraint))
+                max_tokens=ctx.sizes.structured_new_tokens, temperature=temperature, seed=7,
+                logprobs=TOP, structured=constraint))
     results = run(core)
     failures: list[dict[str, Any]] = []
     finished = {"stop": 0, "length": 0}
@@ -122,7 +121,8 @@ def decode_step_ms(ctx: Context, core: EngineCore, prompt: list[int],
     batch = ctx.sizes.batch
     for i in range(batch):
         core.add_request(f"speed{i}", prompt + [i + 10], SamplingParams(
-            max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, structured=structured(i)))
+            max_tokens=ctx.sizes.structured_new_tokens, temperature=0.0, ignore_eos=True,
+            structured=structured(i)))
     times: list[float] = []
     steps = 0
     while core.has_work:

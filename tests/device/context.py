@@ -39,6 +39,7 @@ class Sizes:
     serve_kv_cache_bytes: int | None  # None: the engine's own sizing (--gpu-memory-utilization)
     time_limit_s: float
     threads: int | None = None  # torch threads of the engines (None: torch's choice)
+    structured_new_tokens: int = 96  # each constrained request's max_tokens
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -56,7 +56,8 @@ DRY_SIZES = Sizes(
     spec=TINY_SPEC, parity_prompts=6, parity_new_tokens=6, long_prompts=1, long_prompt_len=100,
     step_tokens=64, kv_cache_bytes=64 << 20, batch=16, input_len=16, output_len=8,
     timed_steps=3, profile_steps=3, serve_concurrency=4, serve_prompts=8, serve_input_len=32,
-    serve_output_len=4, serve_kv_cache_bytes=64 << 20, time_limit_s=150.0, threads=1)
+    serve_output_len=4, serve_kv_cache_bytes=64 << 20, time_limit_s=150.0, threads=1,
+    structured_new_tokens=32)
 
 STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {
     "build": check_parity.build,
