@@ -14,6 +14,7 @@ from frontend.errors import OpenAIError
 from frontend.openai.protocol_chat import ChatMessage
 from frontend.openai.served_model import render_chat
 from frontend.server import init_app
+from frontend.text.tokenizer import load_tokenizer
 from shared.messages import read_ints
 from tests.unit.fake_engine import (
     BOS,
@@ -258,6 +259,6 @@ async def test_auto_tool_choice_warns_when_the_template_never_shows_the_tools(
         template: str | None, warned: bool) -> None:
     config = frontend_config(engine, enable_auto_tool_choice=True, tool_call_parser="hermes",
                              chat_template=template)
-    with caplog.at_level("WARNING", logger="frontend.server"):
-        await aiohttp_client(init_app(config, cached_tokenizer))
+    with caplog.at_level("WARNING", logger="frontend.server"):  # a tokenizer of its own:
+        await aiohttp_client(init_app(config, load_tokenizer))  # the template is set on it
     assert ("never reads `tools`" in caplog.text) == warned
