@@ -10,7 +10,12 @@ frontends and the launcher judge it (`shared.transport.is_stalled`).
 one silent for `timeout_s` is gone (killed, crashed, partitioned), and nobody will read its
 requests' outputs: the busy loop aborts them instead of computing them to the end. Only
 identities that have pinged are judged, so a client that never pings (a test, a tool) is never
-taken for dead.
+taken for dead. Silence counts only while this process runs: the I/O thread ticks a few times a
+second, and a gap between its ticks (the whole engine stopped, e.g. SIGSTOP, or starved) is
+added to every frontend's last-heard time, since no ping could have been read meanwhile; until
+the I/O thread has ticked again after such a gap, nobody is judged (the pings that waited in the
+socket are read first). Without that, an engine resumed after a 5 s pause aborted the requests
+of every live frontend.
 
 Both are written by one thread and read by another with plain attribute stores and dict copies,
 which are atomic under the GIL: no lock on the busy loop's path.
@@ -61,6 +66,10 @@ class LoopProgress:
         return StepProgress(busy=self._busy, since_step_s=since, slowest_step_s=self._slowest)
 
 
+TICK_S = 0.25  # the I/O thread's tick (its poll timeout)
+PAUSED_S = 1.0  # a gap between ticks this long: the process was stopped or starved
+
+
 class FrontendLiveness:
     """Last-heard times per frontend identity (those that ping), and who went silent."""
 
@@ -68,6 +77,17 @@ class FrontendLiveness:
         self.timeout_s = timeout_s
         self._clock = clock
         self._heard: dict[bytes, float] = {}
+        self._last_tick = clock()
+
+    def tick(self) -> None:
+        """The I/O thread is running (it calls this at least every TICK_S): a gap since its last
+        tick is time nobody could be heard, added to everyone's last-heard time."""
+        now = self._clock()
+        gap = now - self._last_tick
+        if gap > PAUSED_S:
+            for ident, t in self._heard.copy().items():
+                self._heard[ident] = t + gap
+        self._last_tick = now
 
     def heard(self, identity: bytes, ping: bool) -> None:
         """A frame from `identity` (I/O thread); a ping makes it one that is judged."""
@@ -75,8 +95,11 @@ class FrontendLiveness:
             self._heard[identity] = self._clock()
 
     def lost(self) -> list[bytes]:
-        """Identities silent for longer than the timeout; forgotten once returned (busy loop)."""
+        """Identities silent for longer than the timeout; forgotten once returned (busy loop).
+        None while the I/O thread has not ticked for PAUSED_S (it has pings to read first)."""
         now = self._clock()
+        if now - self._last_tick > PAUSED_S:
+            return []
         gone = [ident for ident, t in self._heard.copy().items() if now - t > self.timeout_s]
         for ident in gone:
             self._heard.pop(ident, None)

@@ -30,7 +30,7 @@ import msgspec
 import zmq
 
 from engine_core.engine import EngineCore
-from engine_core.liveness import FrontendLiveness, LoopProgress
+from engine_core.liveness import TICK_S, FrontendLiveness, LoopProgress
 from engine_core.metrics import HistogramTotals
 from shared.curve import secure_server, warn_if_open
 from shared.messages import (
@@ -183,7 +183,9 @@ class EngineProcess:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.out_pull, zmq.POLLIN)
         while True:
-            for sock, _ in poller.poll():
+            events = poller.poll(TICK_S * 1000)
+            self.frontends.tick()
+            for sock, _ in events:
                 if sock is self.out_pull:
                     self.router.send_multipart(self.out_pull.recv_multipart(copy=False), copy=False)
                     continue
