@@ -44,7 +44,12 @@ class EngineRequestError(Exception):
     """The engine finished a request with "error" (e.g. it can never fit in the KV cache)."""
 
 
-class StalledClientError(Exception):
+class ClientGoneError(Exception):
+    """A stream's client is gone: it closed its connection (or took nothing for the write
+    timeout, and the connection was closed)."""
+
+
+class StalledClientError(ClientGoneError):
     """A stream's client took nothing for the write timeout; its connection is closed."""
 
 
@@ -124,26 +129,28 @@ async def stream_choices(
     error event ends the stream."""
     sse = SSEWriter(request, request.app[HTTP_LIMITS].write_timeout)
     try:
-        async with aclosing(run_choices(client, plan.choices)) as outputs:
-            async for index, delta in outputs:
-                for payload in chunks_of(index, delta):
-                    await sse.send(payload)
-    except (EngineRequestError, EngineDeadError) as exc:
-        if not sse.started:
-            raise engine_error(exc, plan.constraint_param) from None
-        return await sse.fail(engine_error(exc, plan.constraint_param).to_json())
-    except StalledClientError as exc:  # its engine requests were aborted on the way out
+        try:
+            async with aclosing(run_choices(client, plan.choices)) as outputs:
+                async for index, delta in outputs:
+                    for payload in chunks_of(index, delta):
+                        await sse.send(payload)
+        except (EngineRequestError, EngineDeadError) as exc:
+            if not sse.started:
+                raise engine_error(exc, plan.constraint_param) from None
+            return await sse.fail(engine_error(exc, plan.constraint_param).to_json())
+        if usage_chunk is not None:
+            await sse.send(usage_chunk(plan.usage()))
+        return await sse.done()
+    except ClientGoneError as exc:  # its engine requests were aborted on the way out
         logger.info("closed the stream of %s: %s", plan.id, exc)
         return sse.response
-    if usage_chunk is not None:
-        await sse.send(usage_chunk(plan.usage()))
-    return await sse.done()
 
 
 class SSEWriter:
     """Server-sent events, prepared lazily at the first event: an error found before anything
     was sent can still be answered with a plain status and JSON body. A write the client does
-    not take within `write_timeout` closes the connection and raises StalledClientError."""
+    not take within `write_timeout` closes the connection and raises StalledClientError; a write
+    to a connection the client closed raises ClientGoneError."""
 
     def __init__(self, request: web.Request, write_timeout: float) -> None:
         self.request = request
@@ -182,6 +189,8 @@ class SSEWriter:
                 transport.abort()  # close() would wait for the client to take what is queued
             raise StalledClientError(
                 f"the client took nothing for {self.write_timeout:g} s") from None
+        except ConnectionResetError:  # aiohttp: "Cannot write to closing transport"
+            raise ClientGoneError("the client closed the connection") from None
 
 
 def json_response(payload: Any) -> web.Response:

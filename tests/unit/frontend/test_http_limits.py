@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
+from aiohttp import ClientConnectionResetError, web
 from aiohttp.test_utils import TestClient, TestServer
 
 from frontend.engine.client import EngineOverloadedError
@@ -189,6 +190,38 @@ async def test_a_stream_whose_client_stops_reading_is_closed_and_aborted(
     with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
         await asyncio.wait_for(reader.readexactly(2**30), 5)  # the rest, then the cut
     writer.close()
+
+
+async def test_a_write_to_a_connection_the_client_closed_ends_the_stream_quietly(
+    client: Client, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client gone between two events: aiohttp's write raises "Cannot write to closing
+    transport" (seen in the soak). The stream ends as for a stalled client (its engine requests
+    aborted), and aiohttp logs no "Error handling request"."""
+    writes = 0
+    original = web.StreamResponse.write
+
+    async def closing_after_two(self: web.StreamResponse, data: bytes) -> None:
+        nonlocal writes
+        writes += 1
+        if writes > 2:
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        await original(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", closing_after_two)
+    with caplog.at_level("INFO"):
+        resp = await client.post("/v1/completions", headers={"Authorization": "Bearer key"},
+                                 json={"prompt": "Hello world", "max_tokens": 500, "n": 2,
+                                       "stream": True, "ignore_eos": True})
+        assert resp.status == 200
+        await resp.read()  # what was written, then the end
+        start = time.monotonic()
+        while len(engine.aborted) < 2:
+            assert time.monotonic() - start < 5, "the gone client's requests were not aborted"
+            await asyncio.sleep(0.02)
+    assert "the client closed the connection" in caplog.text
+    assert "Error handling request" not in caplog.text
 
 
 async def test_a_large_tokenization_leaves_the_loop_serving(
