@@ -1,7 +1,7 @@
 """A soak: the whole server under mixed load for N minutes, looking for leaks and errors.
 
     .venv/bin/python tests/bench/soak.py [--minutes 10] [--concurrency 16] [--window-s 30]
-        [--out FILE] [--seed 0]
+        [--out FILE] [--seed 0] [--faults] [--fault-every-s 60]
 
 Starts `tandem serve` (the default tiny model, `--api-server-count 2`, `--max-waiting-requests
 64`, a free port) as a subprocess, then drives it for --minutes with --concurrency asyncio
@@ -22,12 +22,26 @@ return to 0 (and reads the KV-cache usage and the engine's step-error and lost-f
 counters), prints a table per window and a summary, writes JSON with --out, stops the server
 (SIGTERM to the launcher it started; SIGKILL to that pid only after 60 s) and checks that no
 child of it is left. Exit status 1 on any unexpected error, leak, restart or orphan.
+
+With --faults, every --fault-every-s seconds one fault, in turn:
+- `frontend-kill`: SIGKILL one frontend. Its requests in flight may be cut (counted, not
+  failures); a request that fails to connect, or is cut before any answer came (a request
+  sent on a pooled connection to the dead frontend), is sent again once, as the OpenAI SDK
+  does; every other request must succeed. The launcher must start a replacement (the time
+  until it serves is recorded) and the engine must abort the dead frontend's requests.
+- `engine-pause-short`: SIGSTOP the engine for 1 s (within the frontends' liveness bound,
+  1.25 s of silence): nothing may fail.
+- `engine-pause-long`: SIGSTOP the engine for 5 s: the frontends declare it unavailable
+  (requests then in flight fail with an error, new ones get 503) — expected failures while
+  the fault lasts and up to 3 s after SIGCONT; the time until a request succeeds again is
+  recorded.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -40,6 +54,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +66,16 @@ STARTUP_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 120.0
+SHORT_PAUSE_S = 1.0  # within the frontends' liveness bound: nothing may fail
+LONG_PAUSE_S = 5.0  # beyond it: the engine is declared unavailable, then comes back
+OUTAGE_GRACE_S = 3.0  # after SIGCONT, failures still counted as the outage's
+OUTAGE_BACKOFF_S = 1.0  # a client's wait after a 503 (the frontends send Retry-After: 1)
+FAULT_KINDS = ("frontend-kill", "engine-pause-short", "engine-pause-long")
 
 WORDS = ("the cat sat on a mat while seven quiet rivers ran under old stone bridges and "
          "nobody knew why the lamp was still burning at noon").split()
 STOPS = ["\n", ".", " the", "and", "!"]
+AUX = ("tokenize", "health", "metrics")
 
 
 def free_port() -> int:
@@ -133,6 +154,9 @@ class Window:
     disconnects: int = 0
     bad_4xx: int = 0
     streams: int = 0
+    cut: int = 0  # in flight on a frontend that was killed
+    retried: int = 0  # sent again after a connection error (a killed frontend's pooled socket)
+    outage: int = 0  # failed while the engine was paused beyond the liveness bound
     ttfts: list[float] = field(default_factory=list)
     e2es: list[float] = field(default_factory=list)
     kinds: dict[str, int] = field(default_factory=dict)
@@ -162,6 +186,41 @@ class Failure(Exception):
     pass
 
 
+@dataclass
+class Attempt:
+    """One try of one request: when it started and which frontend answered (its header)."""
+    started: float
+    frontend_pid: int | None = None
+
+    def answered(self, resp: aiohttp.ClientResponse) -> None:
+        header = resp.headers.get("X-Tandem-Frontend", "")
+        self.frontend_pid = int(header.rsplit(":", 1)[1]) if ":" in header else None
+
+
+@dataclass
+class Faults:
+    """What was injected and when, to tell a fault's expected casualties from failures."""
+    killed: dict[int, float] = field(default_factory=dict)  # frontend pid -> when killed
+    outages: list[list[float]] = field(default_factory=list)  # [start, end + grace]
+    log: list[dict[str, Any]] = field(default_factory=list)
+
+    def in_outage(self, t: float) -> bool:
+        return any(start <= t <= end for start, end in self.outages)
+
+    def excuse(self, attempt: Attempt, exc: Exception, retried: bool) -> str | None:
+        """"cut", "retry" or "outage" when a fault explains the failure; None otherwise."""
+        pid = attempt.frontend_pid
+        if pid in self.killed and attempt.started < self.killed[pid]:
+            return "cut"  # in flight on the frontend that was killed
+        connection = isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError))
+        if connection and pid is None and self.killed and not retried:
+            return "retry"  # no answer yet: a pooled connection to the dead frontend
+        clear = isinstance(exc, Failure) and (" 503 " in str(exc) or "error event" in str(exc))
+        if clear and (self.in_outage(time.monotonic()) or self.in_outage(attempt.started)):
+            return "outage"
+        return None
+
+
 class Load:
     def __init__(self, url: str, model: str, rng: random.Random) -> None:
         self.url = url
@@ -169,6 +228,7 @@ class Load:
         self.rng = rng
         self.window = Window(0)
         self.total_failures: list[str] = []
+        self.faults = Faults()
 
     def text(self, lo: int, hi: int) -> str:
         return " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(lo, hi)))
@@ -182,40 +242,55 @@ class Load:
     async def one(self, session: aiohttp.ClientSession) -> None:
         r = self.rng.random()
         if r < 0.02:
-            kind, coro = "bad", self.bad(session)
+            kind, send = "bad", partial(self.bad, session, self.rng.randrange(5))
         elif r < 0.07:
-            kind, coro = "disconnect", self.generate(session, stream=True, disconnect=True)
+            kind, send = "disconnect", partial(self.generate, session, *self.request(True),
+                                               disconnect=True)
         elif r < 0.10:
-            kind, coro = "aux", self.aux(session)
+            kind, send = "aux", partial(self.aux, session, self.rng.choice(AUX))
         else:
             stream = self.rng.random() < 0.5
-            kind, coro = ("stream" if stream else "plain"), self.generate(session, stream=stream)
-        window = self.window
-        window.kinds[kind] = window.kinds.get(kind, 0) + 1
-        try:
-            await coro
-            window.done += 1
-        except Failure as e:
-            self.fail(kind, str(e))
-        except (TimeoutError, aiohttp.ClientError) as e:
-            self.fail(kind, f"{type(e).__name__}: {e}")
+            kind = "stream" if stream else "plain"
+            send = partial(self.generate, session, *self.request(stream))
+        self.window.kinds[kind] = self.window.kinds.get(kind, 0) + 1
+        for retried in (False, True):
+            attempt = Attempt(time.monotonic())
+            try:
+                await send(attempt)
+                self.window.done += 1
+                return
+            except (Failure, TimeoutError, aiohttp.ClientError) as e:
+                why = self.faults.excuse(attempt, e, retried)
+                if why == "retry":
+                    self.window.retried += 1
+                    continue
+                if why == "cut":
+                    self.window.cut += 1
+                elif why == "outage":
+                    self.window.outage += 1
+                    await asyncio.sleep(OUTAGE_BACKOFF_S)  # as a client honouring Retry-After
+                elif isinstance(e, Failure):
+                    self.fail(kind, str(e))
+                else:
+                    self.fail(kind, f"{type(e).__name__}: {e}")
+                return
 
-    async def aux(self, session: aiohttp.ClientSession) -> None:
-        which = self.rng.choice(["tokenize", "health", "metrics"])
+    async def aux(self, session: aiohttp.ClientSession, which: str, attempt: Attempt) -> None:
         if which == "tokenize":
             async with session.post(f"{self.url}/tokenize",
                                     json={"model": self.model, "prompt": self.text(1, 40)}) as resp:
+                attempt.answered(resp)
                 body = await resp.read()
                 if resp.status != 200 or "tokens" not in json.loads(body):
                     raise Failure(f"/tokenize {resp.status} {body[:200]!r}")
         else:
             async with session.get(f"{self.url}/{which}") as resp:
+                attempt.answered(resp)
                 body = await resp.read()
                 if resp.status != 200:
                     raise Failure(f"/{which} {resp.status} {body[:200]!r}")
 
-    async def bad(self, session: aiohttp.ClientSession) -> None:
-        choice = self.rng.randrange(5)
+    async def bad(self, session: aiohttp.ClientSession, choice: int, attempt: Attempt) -> None:
         path = "/v1/completions"
         data: bytes | None = None
         body: dict[str, Any] = {"model": self.model, "prompt": "hi", "max_tokens": 4}
@@ -233,21 +308,21 @@ class Load:
         kwargs: dict[str, Any] = ({"data": data, "headers": {"Content-Type": "application/json"}}
                                   if data is not None else {"json": body})
         async with session.post(f"{self.url}{path}", **kwargs) as resp:
+            attempt.answered(resp)
             text = await resp.read()
             if not 400 <= resp.status < 500:
                 raise Failure(f"bad request #{choice} got {resp.status} {text[:200]!r}")
             self.window.bad_4xx += 1
 
-    async def generate(self, session: aiohttp.ClientSession, stream: bool,
-                       disconnect: bool = False) -> None:
+    def request(self, stream: bool) -> tuple[str, dict[str, Any]]:
+        """A random completions or chat request: (path, body)."""
         rng = self.rng
-        chat = rng.random() < 0.4
-        n = 2 if rng.random() < 0.15 else 1
         body: dict[str, Any] = {"model": self.model, "max_tokens": rng.randint(1, 64),
-                                "n": n, "stream": stream, "temperature": rng.choice([0.0, 0.8])}
+                                "n": 2 if rng.random() < 0.15 else 1, "stream": stream,
+                                "temperature": rng.choice([0.0, 0.8])}
         if rng.random() < 0.2:
             body["stop"] = rng.sample(STOPS, rng.randint(1, 2))
-        if chat:
+        if rng.random() < 0.4:
             path = "/v1/chat/completions"
             body["messages"] = [{"role": "user", "content": self.text(1, 60)}]
             if rng.random() < 0.15:
@@ -259,8 +334,15 @@ class Load:
             if rng.random() < 0.2:
                 body["echo"] = True
                 body["logprobs"] = rng.choice([0, 1, 5])
+        return path, body
+
+    async def generate(self, session: aiohttp.ClientSession, path: str, body: dict[str, Any],
+                       attempt: Attempt, disconnect: bool = False) -> None:
+        rng = self.rng
+        n, stream = body["n"], body["stream"]
         t0 = time.monotonic()
         async with session.post(f"{self.url}{path}", json=body) as resp:
+            attempt.answered(resp)
             if resp.status != 200:
                 text = await resp.read()
                 raise Failure(f"{path} {resp.status} {text[:200]!r}")
@@ -310,6 +392,77 @@ class Load:
             self.window.e2es.append(time.monotonic() - t0)
 
 
+# --- faults -----------------------------------------------------------------------------
+
+
+async def fresh_get(url: str, path: str, timeout_s: float = 2.0) -> tuple[int, int | None]:
+    """(status, answering frontend pid) on a new connection; (0, None) when none answered."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    try:
+        async with aiohttp.ClientSession(connector=connector) as s, s.get(
+                f"{url}{path}", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            attempt = Attempt(0.0)
+            attempt.answered(resp)
+            await resp.read()
+            return resp.status, attempt.frontend_pid
+    except (TimeoutError, aiohttp.ClientError):
+        return 0, None
+
+
+async def until(check: Any, timeout_s: float) -> float | None:
+    """Seconds until `await check()` is true (polled every 0.1 s), None past the timeout."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if await check():
+            return round(time.monotonic() - start, 2)
+        await asyncio.sleep(0.1)
+    return None
+
+
+async def inject(kind: str, faults: Faults, url: str, model: str, launcher: int,
+                 t0: float) -> dict[str, Any]:
+    """Inject one fault; what it did and how long the server took to serve again."""
+    engine, frontends = server_pids(launcher)
+    entry: dict[str, Any] = {"kind": kind, "at_s": round(time.monotonic() - t0, 1)}
+    if kind == "frontend-kill":
+        victim = frontends[0]
+        faults.killed[victim] = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+
+        async def replaced() -> bool:
+            pid = (await fresh_get(url, "/health"))[1]
+            return pid is not None and pid not in frontends
+
+        entry["frontend"] = victim
+        entry["replacement_serving_s"] = await until(replaced, 60)
+        return entry
+    assert engine is not None
+    pause = SHORT_PAUSE_S if kind == "engine-pause-short" else LONG_PAUSE_S
+    outage = [time.monotonic(), float("inf")]
+    if kind == "engine-pause-long":
+        faults.outages.append(outage)
+    os.kill(engine, signal.SIGSTOP)
+    await asyncio.sleep(pause)
+    os.kill(engine, signal.SIGCONT)
+    outage[1] = time.monotonic() + OUTAGE_GRACE_S
+
+    async def serves() -> bool:
+        body = {"model": model, "prompt": "are you back", "max_tokens": 2}
+        connector = aiohttp.TCPConnector(force_close=True)
+        try:
+            async with aiohttp.ClientSession(connector=connector) as s, s.post(
+                    f"{url}/v1/completions", json=body,
+                    timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    entry["pause_s"] = pause
+    entry["serving_again_after_resume_s"] = await until(serves, 60)
+    return entry
+
+
 # --- the run ----------------------------------------------------------------------------
 
 
@@ -355,6 +508,16 @@ async def drive(args: argparse.Namespace, url: str, launcher: int) -> dict[str, 
             while time.monotonic() < end:
                 await load.one(session)
 
+        async def injector() -> None:
+            for i in itertools.count():
+                await asyncio.sleep(args.fault_every_s)
+                if time.monotonic() > end - args.fault_every_s / 2:
+                    return
+                entry = await inject(FAULT_KINDS[i % len(FAULT_KINDS)], load.faults, url,
+                                     model, launcher, start)
+                load.faults.log.append(entry)
+                print(f"fault: {entry}", flush=True)
+
         async def sampler() -> None:
             while True:
                 await asyncio.sleep(min(args.window_s, max(0.0, end - time.monotonic())))
@@ -362,7 +525,7 @@ async def drive(args: argparse.Namespace, url: str, launcher: int) -> dict[str, 
                 load.window = Window(w.index + 1)
                 w.t_end_s = round(time.monotonic() - start, 1)
                 engine, frontends = server_pids(launcher)
-                if engine != engine0 or frontends != frontends0:
+                if engine != engine0 or (frontends != frontends0 and not load.faults.killed):
                     restarts.append(f"at {w.t_end_s} s: engine {engine}, frontends {frontends}")
                 w.rss_engine_mb = round(rss_mb(engine), 1) if engine else 0.0
                 w.rss_frontends_mb = [round(rss_mb(p), 1) for p in frontends]
@@ -380,12 +543,16 @@ async def drive(args: argparse.Namespace, url: str, launcher: int) -> dict[str, 
 
         print(HEADER, flush=True)
         tasks = [asyncio.create_task(client()) for _ in range(args.concurrency)]
+        if args.faults:
+            tasks.append(asyncio.create_task(injector()))
         await asyncio.gather(sampler(), *tasks)
         # whatever finished after the last sample (clients finishing their last request)
         tail = load.window
         windows[-1].done += tail.done
         windows[-1].failed += tail.failed
         windows[-1].failures += tail.failures
+        for counter in ("cut", "retried", "outage"):
+            setattr(windows[-1], counter, getattr(windows[-1], counter) + getattr(tail, counter))
 
         # drained: running and waiting back to 0
         drain_t0 = time.monotonic()
@@ -406,10 +573,10 @@ async def drive(args: argparse.Namespace, url: str, launcher: int) -> dict[str, 
             await asyncio.sleep(0.5)
         drain_s = round(time.monotonic() - drain_t0, 2)
     return {"model": model, "windows": windows, "final": final, "drain_s": drain_s,
-            "restarts": restarts, "failures": load.total_failures}
+            "restarts": restarts, "failures": load.total_failures, "faults": load.faults.log}
 
 
-HEADER = (f"{'t s':>6} {'done':>6} {'fail':>5} {'disc':>5} {'4xx':>4} {'ttft50':>7} "
+HEADER = (f"{'t s':>6} {'done':>6} {'fail':>5} {'disc':>5} {'4xx':>4} {'fault':>5} {'ttft50':>7} "
           f"{'e2e50':>7} {'run':>4} {'wait':>4} {'kv%':>5} {'engMB':>7} {'frontends MB':>16}")
 
 
@@ -418,6 +585,7 @@ def row(w: Window) -> str:
     e2e = statistics.median(w.e2es) * 1000 if w.e2es else None
     kv = f"{w.kv_usage * 100:5.1f}" if w.kv_usage is not None else "    -"
     return (f"{w.t_end_s:>6.0f} {w.done:>6} {w.failed:>5} {w.disconnects:>5} {w.bad_4xx:>4} "
+            f"{w.cut + w.retried + w.outage:>5} "
             f"{(f'{ttft:.0f}' if ttft is not None else '-'):>7} "
             f"{(f'{e2e:.0f}' if e2e is not None else '-'):>7} "
             f"{w.running if w.running is not None else '-':>4} "
@@ -432,6 +600,10 @@ def main() -> int:
     parser.add_argument("--window-s", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--faults", action="store_true",
+                        help="inject a fault every --fault-every-s (frontend kill, short and "
+                             "long engine pause, in turn)")
+    parser.add_argument("--fault-every-s", type=float, default=60.0)
     args = parser.parse_args()
 
     port = free_port()
@@ -481,6 +653,10 @@ def main() -> int:
         "requests_done": sum(w.done for w in windows),
         "requests_failed": sum(w.failed for w in windows),
         "intentional_disconnects": sum(w.disconnects for w in windows),
+        "cut_by_frontend_kill": sum(w.cut for w in windows),
+        "retried_after_frontend_kill": sum(w.retried for w in windows),
+        "failed_in_engine_outage": sum(w.outage for w in windows),
+        "faults": result["faults"],
         "expected_4xx": sum(w.bad_4xx for w in windows),
         "kinds": {k: sum(w.kinds.get(k, 0) for w in windows)
                   for k in ("plain", "stream", "disconnect", "bad", "aux")},
@@ -504,8 +680,15 @@ def main() -> int:
         problems.append(f"KV cache not empty after drain: {final.get('vllm:kv_cache_usage_perc')}")
     if final.get("tandem:engine_step_errors_total"):
         problems.append(f"engine step errors: {final['tandem:engine_step_errors_total']}")
-    if final.get("tandem:frontends_lost_total"):
-        problems.append(f"frontends lost: {final['tandem:frontends_lost_total']}")
+    kills = [f for f in result["faults"] if f["kind"] == "frontend-kill"]
+    if (final.get("tandem:frontends_lost_total") or 0) != len(kills):
+        problems.append(f"frontends lost: {final.get('tandem:frontends_lost_total')}, "
+                        f"killed: {len(kills)}")
+    for f in result["faults"]:
+        if f.get("replacement_serving_s", 0) is None:
+            problems.append(f"frontend {f['frontend']} was not replaced within 60 s")
+        if f.get("serving_again_after_resume_s", 0) is None:
+            problems.append(f"no request served within 60 s after the {f['kind']} ended")
     if result["restarts"]:
         problems.append(f"processes replaced during the soak: {result['restarts']}")
     if proc.returncode not in (0, -signal.SIGTERM):
@@ -522,6 +705,13 @@ def main() -> int:
     for i in range(len(fe_first)):
         print(f"  frontend {i} RSS MB: first {fe_first[i]}, "
               f"last {fe_last[i] if i < len(fe_last) else '-'}, max {fe_max[i]}")
+    if result["faults"]:
+        print(f"  faults: {len(result['faults'])}; requests cut on a killed frontend "
+              f"{summary['cut_by_frontend_kill']}, sent again after a connection error "
+              f"{summary['retried_after_frontend_kill']}, failed while the engine was paused "
+              f"beyond the liveness bound {summary['failed_in_engine_outage']}")
+        for f in result["faults"]:
+            print(f"    {f}")
     t = summary["ttft_p50_ms"]
     print(f"  TTFT p50 ms: first window {t['first']}, last {t['last']}, "
           f"range {t['min']}-{t['max']}")
