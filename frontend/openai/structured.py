@@ -6,7 +6,11 @@ Two spellings, at most one per request: OpenAI's `response_format` (`text`, `jso
 `grammar`, `json_object`). What is cheap to check is checked here, as a 400 naming the field,
 and so are the bounds on what the engine's one compile thread may be asked to do (a schema's
 nesting, a regex's or grammar's length: compile time grows much faster than either, and a
-request holding that thread delays every constrained request behind it). Whether a schema,
+request holding that thread delays every constrained request behind it), and a schema's width
+(`SchemaLimits`: its properties, optional properties, enum values and the characters of its
+names and values). A string schema with `pattern` and `minLength`/`maxLength` is refused too:
+xgrammar keeps the pattern and drops the lengths (with only a log line), and its regexes have
+no lookahead to join them. Whether a schema,
 regex or grammar compiles only the engine's grammar compiler can tell (the frontend imports no
 grammar engine): it refuses such a request with the compiler's message, which the serving
 layer answers as a 400 naming the same field (`Constraint.param`).
@@ -15,6 +19,8 @@ layer answers as a 400 naming the same field (`Constraint.param`).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 import msgspec
@@ -31,6 +37,37 @@ MAX_SCHEMA_DEPTH = 64
 # The longest regex, grammar or choice list (as JSON) accepted: hand-written ones are a few KiB,
 # and the compile time of a longer one grows faster than its square (docs/reliability.md).
 MAX_SPEC_CHARS = 65_536
+
+
+@dataclass(frozen=True)
+class SchemaLimits:
+    """The most of each thing a schema's grammar costs to compile: its objects' properties, the
+    optional ones (not in their object's `required`, which cost the most), its enum values, and
+    the characters of its property names, definition names, enum and const values (OpenAI's
+    measure). Counted in the whole schema."""
+
+    properties: int
+    optional_properties: int
+    enum_values: int
+    literal_chars: int
+
+
+# One schema (`response_format`, `structured_outputs.json`, one tool's parameters): OpenAI's
+# 1,000 enum values, but 1,000 properties and 32 KiB of names and values where OpenAI accepts
+# 5,000 and 120,000 (xgrammar's compile time grows faster than either), and 128 optional
+# properties (OpenAI's strict schemas have none); at these bounds a schema compiles in
+# 0.1-0.7 s (docs/reliability.md). A choice list counts as an enum.
+SCHEMA_LIMITS = SchemaLimits(properties=1_000, optional_properties=128, enum_values=1_000,
+                             literal_chars=32_768)
+
+
+class SchemaWidth(NamedTuple):
+    """What a schema holds, in `SchemaLimits`' terms."""
+
+    properties: int
+    optional_properties: int
+    enum_values: int
+    literal_chars: int
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
@@ -90,7 +127,7 @@ def _from_response_format(fmt: ResponseFormat | None) -> Constraint | None:
             'response_format of type "json_schema" needs json_schema.schema (a JSON schema '
             "object)", "response_format")
     schema = fmt.json_schema.schema
-    check_schema_depth(schema, "response_format.json_schema.schema", "response_format")
+    check_schema(schema, "response_format.json_schema.schema", "response_format")
     return Constraint(StructuredOutput("json", _schema_text(schema)), "response_format")
 
 
@@ -112,13 +149,15 @@ def _from_structured_outputs(so: StructuredOutputsParams | None) -> Constraint |
 def _spec(so: StructuredOutputsParams, kind: str) -> str:
     if kind == "json":
         schema = _parse_schema(so.json)
-        check_schema_depth(schema, "structured_outputs.json", "structured_outputs")
+        check_schema(schema, "structured_outputs.json", "structured_outputs")
         return _schema_text(schema)
     if kind == "choice":
         assert so.choice is not None
         if not so.choice:
             raise bad_request("structured_outputs.choice must hold at least one string",
                               "structured_outputs")
+        _check_width(SchemaWidth(0, 0, len(so.choice), sum(map(len, so.choice))),
+                     SCHEMA_LIMITS, "structured_outputs.choice", "structured_outputs")
         return _bounded(json.dumps(so.choice, ensure_ascii=False), "choice (as JSON)")
     if kind in ("regex", "grammar"):
         text = so.regex if kind == "regex" else so.grammar
@@ -151,6 +190,14 @@ def _parse_schema(schema: str | dict[str, Any] | None) -> dict[str, Any]:
     return parsed
 
 
+def check_schema(schema: dict[str, Any], field: str, param: str) -> None:
+    """A 400 naming `field` (its `param`) for a schema the engine should not compile: nested too
+    deep, wider than SCHEMA_LIMITS, or with a string bound xgrammar would drop."""
+    check_schema_depth(schema, field, param)
+    _check_width(schema_width(schema), SCHEMA_LIMITS, field, param)
+    _check_string_bounds(schema, field, param)
+
+
 def check_schema_depth(schema: dict[str, Any], field: str, param: str) -> None:
     """A 400 naming `field` (its `param`) for a schema nested deeper than MAX_SCHEMA_DEPTH."""
     if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
@@ -175,6 +222,95 @@ def nesting_depth(value: Any, limit: int) -> int:
         deepest = max(deepest, depth)
         stack.extend((child, depth + 1) for child in node)
     return deepest
+
+
+def check_schema_width(schema: dict[str, Any], limits: SchemaLimits, field: str,
+                       param: str) -> None:
+    """A 400 naming `field` (its `param`) for a schema wider than `limits`."""
+    _check_width(schema_width(schema), limits, field, param)
+
+
+_WIDTH_NAMES = {"properties": "object properties",
+                "optional_properties": "optional object properties (not in required)",
+                "enum_values": "enum values",
+                "literal_chars": "characters of property names, definition names, enum and "
+                                 "const values"}
+
+
+def _check_width(width: SchemaWidth, limits: SchemaLimits, field: str, param: str) -> None:
+    for name, count in width._asdict().items():
+        limit = getattr(limits, name)
+        if count > limit:
+            raise bad_request(
+                f"{field} holds {count:,} {_WIDTH_NAMES[name]}; at most {limit:,} are accepted "
+                "(the grammar's compile time grows faster than its size)", param)
+
+
+# Where a schema holds schemas: one, or a list of them (`items` may be either) ...
+_SUBSCHEMAS = frozenset({
+    "items", "prefixItems", "additionalItems", "contains", "additionalProperties",
+    "propertyNames", "unevaluatedProperties", "unevaluatedItems", "anyOf", "oneOf", "allOf",
+    "not", "if", "then", "else"})
+# ... or a map of names to schemas.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "dependentSchemas", "$defs",
+                          "definitions"})
+
+
+def subschemas(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """`schema` and every schema object in it, reached through schema keywords only (an enum
+    value or a default that looks like a schema is data, not a schema). Iterative."""
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        yield node
+        for key, value in node.items():
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                stack.extend(value.values())
+            elif key in _SUBSCHEMAS:
+                stack.extend(value if isinstance(value, list) else [value])
+
+
+def schema_width(schema: dict[str, Any]) -> SchemaWidth:
+    """The properties, optional properties, enum values and literal characters of `schema`."""
+    properties = optional = enum_values = chars = 0
+    for node in subschemas(schema):
+        props = node.get("properties")
+        if isinstance(props, dict):
+            required = node.get("required")
+            listed = set(required) if isinstance(required, list) else set()
+            properties += len(props)
+            optional += sum(1 for name in props if name not in listed)
+            chars += sum(map(len, props))
+        for key in ("$defs", "definitions"):
+            if isinstance(node.get(key), dict):
+                chars += sum(map(len, node[key]))
+        enum = node.get("enum")
+        if isinstance(enum, list):
+            enum_values += len(enum)
+            chars += sum(map(_literal_chars, enum))
+        if "const" in node:
+            chars += _literal_chars(node["const"])
+    return SchemaWidth(properties, optional, enum_values, chars)
+
+
+def _literal_chars(value: Any) -> int:
+    return len(value) if isinstance(value, str) else len(msgspec.json.encode(value))
+
+
+def _check_string_bounds(schema: dict[str, Any], field: str, param: str) -> None:
+    """A 400 for a string schema with both `pattern` and `minLength`/`maxLength`: xgrammar
+    enforces the pattern and silently drops the lengths, and its regex dialect (no lookahead)
+    cannot join them, so the output could break the schema it was promised to follow."""
+    for node in subschemas(schema):
+        bounds = [k for k in ("minLength", "maxLength") if k in node]
+        if isinstance(node.get("pattern"), str) and bounds:
+            raise bad_request(
+                f"{field} has a string schema with both pattern {node['pattern']!r} and "
+                f"{' and '.join(bounds)}, which cannot be enforced together; put the length "
+                'into the pattern (e.g. "^[a-z]{3,8}$") and remove '
+                f"{' and '.join(bounds)}", param)
 
 
 def _schema_text(schema: dict[str, Any]) -> str:

@@ -32,7 +32,12 @@ from frontend.openai.protocol_chat import (
     FunctionCall,
     ToolCall,
 )
-from frontend.openai.structured import Constraint, check_schema_depth
+from frontend.openai.structured import (
+    Constraint,
+    SchemaLimits,
+    check_schema,
+    check_schema_width,
+)
 from frontend.openai.tool_parsers import (
     AUTO_PARSERS,
     CallArgs,
@@ -46,6 +51,13 @@ from frontend.openai.tool_parsers import (
 from shared.messages import StructuredOutput
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# The "required" grammar holds every tool's parameters (each within the structured outputs'
+# SCHEMA_LIMITS) and two properties and an enum value (its name) per tool: 128 tools of 16
+# parameters, 4 of them optional, one an enum of 16 values, fit. Such a grammar compiles in
+# seconds, not in the fraction of one a single schema takes, but once per set of tools: the
+# engine caches it by constraint (docs/reliability.md).
+TOOL_GRAMMAR_LIMITS = SchemaLimits(properties=2_560, optional_properties=512,
+                                   enum_values=2_560, literal_chars=32_768)
 
 
 class FunctionDefinition(msgspec.Struct, kw_only=True):
@@ -122,12 +134,15 @@ def read_tool_plan(req: ChatCompletionRequest, auto_parser: str | None) -> ToolP
     if choice == "auto":
         return _auto_plan(auto_parser, req.parallel_tool_calls)
     if choice == "required":
-        _check_depths(tools)
+        _check_schemas(tools)
         schema = required_schema(tools, req.parallel_tool_calls)
+        check_schema_width(schema, TOOL_GRAMMAR_LIMITS, "tools (every function's parameters "
+                           'together, as tool_choice "required" constrains to any of them)',
+                           "tools")
         return ToolPlan("required", constraint=_constraint(schema),
                         parallel=req.parallel_tool_calls)
     tool = _find_tool(tools, choice.function.name)
-    _check_depths(tools, tool.name)
+    _check_schemas(tools, tool.name)
     return ToolPlan("named", name=tool.name, constraint=_constraint(_parameters(tool)))
 
 
@@ -172,12 +187,13 @@ def _find_tool(tools: list[FunctionDefinition], name: str) -> FunctionDefinition
                       "tool_choice")
 
 
-def _check_depths(tools: list[FunctionDefinition], name: str | None = None) -> None:
+def _check_schemas(tools: list[FunctionDefinition], name: str | None = None) -> None:
     """The parameters schemas a constraint is built from (every tool's, or the named tool's)
-    within the structured outputs' nesting bound; else a 400 on `tools` naming the deep one."""
+    within the structured outputs' bounds (`check_schema`); else a 400 on `tools` naming the
+    one out of bounds."""
     for i, tool in enumerate(tools):
         if name in (None, tool.name):
-            check_schema_depth(_parameters(tool), f"tools[{i}].function.parameters", "tools")
+            check_schema(_parameters(tool), f"tools[{i}].function.parameters", "tools")
 
 
 def _parameters(tool: FunctionDefinition) -> dict[str, Any]:

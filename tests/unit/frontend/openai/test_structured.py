@@ -13,8 +13,12 @@ from aiohttp.test_utils import TestClient
 from frontend.openai.structured import (
     MAX_SCHEMA_DEPTH,
     MAX_SPEC_CHARS,
+    SCHEMA_LIMITS,
+    SchemaWidth,
+    StructuredOutputsParams,
     nesting_depth,
     read_constraint,
+    schema_width,
 )
 from shared.messages import StructuredOutput
 from tests.unit.fake_engine import FakeEngine
@@ -37,6 +41,31 @@ def nested_arrays(depth: int) -> dict[str, Any]:
 # one compile thread 1.3 s, 450 about 20 s. Sent as text, as a client would build it.
 DEEP_OBJECTS = ('{"type": "object", "properties": {"a": ' * 200 + '{"type": "string"}'
                 + "}}" * 200)
+
+
+def enum_schema(values: int, length: int = 4) -> dict[str, Any]:
+    """An object with one string property: an enum of `values` distinct strings of `length`."""
+    enum = [f"{i:0{length}d}" for i in range(values)]
+    return {"type": "object", "properties": {"e": {"enum": enum}}, "required": ["e"]}
+
+
+def wide_object(properties: int, optional: int = 0) -> dict[str, Any]:
+    """An object of `properties` string properties, the last `optional` of them optional."""
+    names = [f"p{i}" for i in range(properties)]
+    return {"type": "object", "properties": {n: {"type": "string"} for n in names},
+            "required": names[:properties - optional]}
+
+
+# Issue 15's kind of wide schema: an enum of 26,214 strings held the compile thread 10.6 s.
+WIDE_ENUM = enum_schema(26_214, 9)
+# 250 optional properties in each of 4 objects took 3.6 s to compile.
+OPTIONAL_OBJECTS = {"type": "object", "properties": {
+    f"o{i}": wide_object(250, 250) for i in range(4)}}
+# Over SCHEMA_LIMITS.literal_chars by one: 8 values of 4,096 characters, and one more.
+LONG_VALUES = {"anyOf": [{"enum": ["x" * 4_096] * 8}, {"const": "y"}]}
+# xgrammar keeps the pattern and drops the length: "abcdefgh" would pass for maxLength 3.
+PATTERN_AND_LENGTH = {"type": "object", "required": ["code"], "properties": {
+    "code": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}}}
 ENDPOINTS = {
     "/v1/completions": {"prompt": "Hello"},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}]},
@@ -87,6 +116,23 @@ BAD = [
     ({"structured_outputs": {"grammar": f'root ::= "{"a" * MAX_SPEC_CHARS}"'}},
      "structured_outputs"),
     ({"structured_outputs": {"choice": ["a" * MAX_SPEC_CHARS]}}, "structured_outputs"),
+    ({"structured_outputs": {"json": WIDE_ENUM}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": enum_schema(SCHEMA_LIMITS.enum_values + 1)}}}, "response_format"),
+    ({"structured_outputs": {"json": wide_object(SCHEMA_LIMITS.properties + 1)}},
+     "structured_outputs"),
+    ({"structured_outputs": {"json": OPTIONAL_OBJECTS}}, "structured_outputs"),
+    ({"structured_outputs": {"json": wide_object(200, SCHEMA_LIMITS.optional_properties + 1)}},
+     "structured_outputs"),
+    ({"structured_outputs": {"json": LONG_VALUES}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": [str(i) for i in range(SCHEMA_LIMITS.enum_values + 1)]}},
+     "structured_outputs"),
+    ({"structured_outputs": {"choice": ["x" * 4_096] * 8 + ["y"]}}, "structured_outputs"),
+    ({"structured_outputs": {"json": PATTERN_AND_LENGTH}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "items": {"anyOf": [
+            {"type": "integer"}, {"type": "string", "pattern": "a+", "minLength": 2}]}}}}},
+     "response_format"),
 ]
 
 
@@ -125,6 +171,10 @@ async def test_engine_refusal_of_a_constraint_names_the_field(
         assert (await resp.json())["error"]["param"] == "structured_outputs"
 
 
+def text(schema: dict[str, Any]) -> str:
+    return msgspec.json.encode(schema, order="sorted").decode()
+
+
 AS_DEEP_AS_ALLOWED = nested_arrays(MAX_SCHEMA_DEPTH)
 AT_THE_BOUNDS = [
     ({"response_format": {"type": "json_schema", "json_schema": {
@@ -132,6 +182,12 @@ AT_THE_BOUNDS = [
      StructuredOutput("json", msgspec.json.encode(AS_DEEP_AS_ALLOWED, order="sorted").decode())),
     ({"structured_outputs": {"regex": "a" * MAX_SPEC_CHARS}},
      StructuredOutput("regex", "a" * MAX_SPEC_CHARS)),
+    *[({"structured_outputs": {"json": schema}}, StructuredOutput("json", text(schema)))
+      for schema in (enum_schema(SCHEMA_LIMITS.enum_values),
+                     wide_object(SCHEMA_LIMITS.properties, SCHEMA_LIMITS.optional_properties),
+                     {"enum": ["x" * 4_096] * 8})],
+    ({"structured_outputs": {"choice": ["x" * 4_096] * 8}},
+     StructuredOutput("choice", json.dumps(["x" * 4_096] * 8))),
 ]
 
 
@@ -152,6 +208,50 @@ async def test_a_deep_schema_is_refused_with_its_field_and_a_way_out(client: Cli
     assert resp.status == 400
     assert f"structured_outputs.json is nested more than {MAX_SCHEMA_DEPTH} levels" in message
     assert "$defs" in message and "$ref" in message
+
+
+async def test_a_wide_schema_is_refused_with_its_count_and_limit(client: Client) -> None:
+    resp = await client.post("/v1/completions", json={
+        "prompt": "Hello", "structured_outputs": {"json": WIDE_ENUM}})
+    message = (await resp.json())["error"]["message"]
+    assert resp.status == 400
+    assert message.startswith(f"structured_outputs.json holds 26,214 enum values; at most "
+                              f"{SCHEMA_LIMITS.enum_values:,} are accepted"), message
+
+
+async def test_a_pattern_with_a_length_is_refused_with_a_way_out(client: Client) -> None:
+    resp = await client.post("/v1/completions", json={
+        "prompt": "Hello", "structured_outputs": {"json": PATTERN_AND_LENGTH}})
+    message = (await resp.json())["error"]["message"]
+    assert resp.status == 400
+    assert "pattern '^[a-z]+$' and maxLength" in message and "{3,8}" in message, message
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "pattern": "^[a-z]{1,3}$"},
+    {"type": "string", "minLength": 1, "maxLength": 3},
+    # Property names and data are not schema keywords: nothing here is a bounded pattern.
+    {"type": "object", "properties": {"pattern": {"type": "string"},
+                                      "maxLength": {"type": "integer"}}},
+    {"enum": [{"pattern": "a", "maxLength": 1}]},
+])
+def test_only_a_schema_with_both_a_pattern_and_a_length_is_refused(schema: dict[str, Any]) -> None:
+    assert read_constraint(None, msgspec.convert({"json": schema}, StructuredOutputsParams))
+
+
+@pytest.mark.parametrize(("schema", "width"), [
+    ({"type": "string"}, SchemaWidth(0, 0, 0, 0)),
+    ({"type": "object", "properties": {"ab": {"const": 12}, "c": {"enum": ["xyz", None]}},
+      "required": ["ab"]}, SchemaWidth(2, 1, 2, 3 + 2 + 3 + 4)),
+    ({"$defs": {"node": {"type": "object", "properties": {"n": {"$ref": "#/$defs/node"}}}},
+      "anyOf": [{"$ref": "#/$defs/node"}, {"type": "array", "items": {"enum": [1, 2]}}]},
+     SchemaWidth(1, 1, 2, 4 + 1 + 2)),
+    # An enum value shaped like a schema is data: its "properties" are not counted.
+    ({"enum": [{"properties": {"a": {}}}]}, SchemaWidth(0, 0, 1, 23)),
+])
+def test_schema_width_counts_properties_enums_and_literals(schema: dict[str, Any],
+                                                           width: SchemaWidth) -> None:
+    assert schema_width(schema) == width
 
 
 @pytest.mark.parametrize(("value", "depth"), [

@@ -6,13 +6,14 @@ answer with finish "stop"."""
 from __future__ import annotations
 
 import json
+from dataclasses import astuple
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
 
-from frontend.openai.structured import MAX_SCHEMA_DEPTH
-from frontend.openai.tool_calls import FunctionDefinition, required_schema
+from frontend.openai.structured import MAX_SCHEMA_DEPTH, SCHEMA_LIMITS, schema_width
+from frontend.openai.tool_calls import TOOL_GRAMMAR_LIMITS, FunctionDefinition, required_schema
 from frontend.server import init_app
 from shared.messages import StructuredOutput, read_ints
 from tests.unit.fake_engine import (
@@ -44,6 +45,30 @@ def deep_tool(depth: int) -> dict[str, Any]:
 
 
 TOO_DEEP = [*TOOLS, deep_tool(MAX_SCHEMA_DEPTH + 1)]
+
+
+def enum_tool(name: str, values: int) -> dict[str, Any]:
+    """A tool whose one parameter is an enum of `values` strings."""
+    parameters = {"type": "object", "required": ["v"],
+                  "properties": {"v": {"enum": [f"{i:03d}" for i in range(values)]}}}
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def realistic_tool(i: int) -> dict[str, Any]:
+    """A tool as APIs describe theirs: 8 parameters (3 optional), one an enum of 6 values."""
+    props: dict[str, Any] = {f"param_{i}_{j}": {"type": "string"} for j in range(7)}
+    props[f"unit_{i}"] = {"type": "string", "enum": [f"choice_{k}" for k in range(6)]}
+    parameters = {"type": "object", "properties": props, "required": list(props)[:5]}
+    return {"type": "function", "function": {"name": f"tool_number_{i}",
+                                             "description": "Does a thing. " * 10,
+                                             "parameters": parameters}}
+
+
+# Each tool within SCHEMA_LIMITS, together over TOOL_GRAMMAR_LIMITS' enum values.
+TOO_WIDE_TOGETHER = [enum_tool(f"t{i}", SCHEMA_LIMITS.enum_values) for i in range(3)]
+PATTERN_TOOL = {"type": "function", "function": {"name": "code", "parameters": {
+    "type": "object", "properties": {"c": {"type": "string", "pattern": "[A-Z]+",
+                                           "minLength": 2}}}}}
 DEEP_CHOICE = {"type": "function", "function": {"name": "deep"}}
 
 
@@ -250,6 +275,12 @@ BAD = [
     ({"tools": TOOLS[:1] + [deep_tool(MAX_SCHEMA_DEPTH + 1)], "tool_choice": "required"},
      "tools"),
     ({"tools": TOO_DEEP, "tool_choice": DEEP_CHOICE}, "tools"),
+    ({"tools": [enum_tool("wide", SCHEMA_LIMITS.enum_values + 1)], "tool_choice": "required"},
+     "tools"),
+    ({"tools": TOO_WIDE_TOGETHER, "tool_choice": "required"}, "tools"),
+    ({"tools": [PATTERN_TOOL], "tool_choice": "required"}, "tools"),
+    ({"tools": [PATTERN_TOOL], "tool_choice": {"type": "function", "function": {"name": "code"}}},
+     "tools"),
 ]
 
 
@@ -277,3 +308,27 @@ async def test_a_deep_tool_schema_is_refused_only_when_it_goes_to_the_grammar(
     assert engine.added[-1].params.structured is None
     await post(client, messages=answering("x"), tools=[deep_tool(MAX_SCHEMA_DEPTH)],
                tool_choice=DEEP_CHOICE)
+
+
+async def test_tools_too_wide_together_are_refused_only_for_required(
+        client: Client, engine: FakeEngine) -> None:
+    body = await post(client, 400, messages=answering("x"), tools=TOO_WIDE_TOGETHER,
+                      tool_choice="required")
+    assert body["error"]["message"].startswith(
+        "tools (every function's parameters together, as tool_choice \"required\" constrains "
+        f"to any of them) holds 3,003 enum values; at most {TOOL_GRAMMAR_LIMITS.enum_values:,}")
+    named = {"type": "function", "function": {"name": "t1"}}
+    await post(client, messages=answering('{"v": "001"}'), tools=TOO_WIDE_TOGETHER,
+               tool_choice=named)  # one tool's parameters: within SCHEMA_LIMITS
+    assert engine.added[-1].params.structured is not None
+
+
+async def test_128_realistic_tools_fit_the_required_grammar(client: Client,
+                                                             engine: FakeEngine) -> None:
+    tools = [realistic_tool(i) for i in range(128)]
+    schema = required_schema([FunctionDefinition(**t["function"]) for t in tools], True)
+    width = schema_width(schema)
+    assert all(n <= limit for n, limit in zip(width, astuple(TOOL_GRAMMAR_LIMITS), strict=True))
+    await post(client, messages=answering('[{"name": "tool_number_0", "parameters": {}}]'),
+               tools=tools, tool_choice="required")
+    assert engine.added[-1].params.structured == StructuredOutput("json", sorted_json(schema))
