@@ -183,7 +183,7 @@ class EngineProcess:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.out_pull, zmq.POLLIN)
         while True:
-            events = poller.poll(TICK_S * 1000)
+            events = poller.poll(int(TICK_S * 1000))
             self.frontends.tick()
             for sock, _ in events:
                 if sock is self.out_pull:
