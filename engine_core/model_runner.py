@@ -8,10 +8,11 @@ Llama only matters for tiny models at small batch (docs/benchmarks.md). One code
 every architecture, exact parity and no weight-loading code to keep win.
 
 The attention function is the platform's (`Platform.attention`): the portable torch path
-(attention.py) or the CUDA kernels (attention_cuda.py). Step inputs reach the device without a
-host sync (host_link.py). Where the KV cache is sized from the device's memory
-(`Platform.profiles_memory`), one step at the largest budget is run and measured first, the
-sampler's costliest case included (memory_profile.py).
+(attention.py) or the CUDA kernels (attention_cuda.py). On the CPU the Llama and Qwen2 layers
+run their elementwise work fused (fused.py) where `Platform.fused_elementwise` says. Step
+inputs reach the device without a host sync (host_link.py). Where the KV cache is sized from
+the device's memory (`Platform.profiles_memory`), one step at the largest budget is run and
+measured first, the sampler's costliest case included (memory_profile.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from engine_core import attention, attention_cuda
 from engine_core.chunk_pool import ChunkPool
 from engine_core.config import EngineConfig
 from engine_core.device_sampler import DeviceSampler, HeadWeights
+from engine_core.fused import ElementwiseOps, fuse_decoder
 from engine_core.linear import prepare_linears
 from engine_core.lm_head import LMHead
 from engine_core.memory_profile import StepMemory, max_useful_blocks, measure_step
@@ -83,6 +85,9 @@ class ModelRunner:
         self.linear_pool = None if workers is None else ChunkPool(workers, "linears")
         linears = prepare_linears(self.decoder, platform.transposed_linears,
                                   platform.head_kernels, platform.decoder_panels, self.linear_pool)
+        if platform.fused_elementwise and platform.head_kernels is not None:
+            fused = fuse_decoder(self.decoder, ElementwiseOps(platform.head_kernels))
+            linears += f"; elementwise work fused in {fused} layers"
         text = _text_config(hf_config)
         lm_head = self.model.get_output_embeddings()
         self.head = LMHead(lm_head.weight, getattr(lm_head, "bias", None),

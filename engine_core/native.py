@@ -1,5 +1,5 @@
-"""The CPU kernels of the LM head and the decoder's linears (csrc/kernels.c), compiled on first
-use and loaded with ctypes.
+"""The CPU kernels of the LM head, the decoder's linears and its elementwise work
+(csrc/kernels.c), compiled on first use and loaded with ctypes.
 
 Compiled on the machine that runs them, with -march=native, into a cache folder under a name
 that hashes the source, the compiler command and this CPU's feature flags, so a shared home
@@ -33,7 +33,7 @@ SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC"]
 PANEL = 16  # columns per packed weight panel (NR in the source)
 
-_P, _I = ctypes.c_void_p, ctypes.c_int64
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class Kernels:
@@ -47,6 +47,16 @@ class Kernels:
         self.panel_matmul = lib.panel_matmul
         self.panel_matmul.argtypes = [_P, _I, _I, _I, _P, _I, _I, _P, _I]
         self.panel_matmul.restype = None
+        # the decoder layer's fused elementwise work (fused.py)
+        self.rms_norm = lib.rms_norm
+        self.rms_norm.argtypes = [_P, _P, _P, _F, _I, _I, _P]
+        self.rms_norm.restype = None
+        self.silu_mul = lib.silu_mul
+        self.silu_mul.argtypes = [_P, _P, _I, _P]
+        self.silu_mul.restype = None
+        self.rotary = lib.rotary
+        self.rotary.argtypes = [_P, _I, _I, _I, _I, _P, _P, _I]
+        self.rotary.restype = None
 
 
 def pack_panels(weight_t: torch.Tensor) -> torch.Tensor:

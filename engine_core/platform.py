@@ -56,6 +56,9 @@ class Platform:
     # the decoder's linears also packed in panels for decode steps (linear.py): as
     # TANDEM_PANELS=1|0 says, or None: measured on the model once it is loaded
     decoder_panels: bool | None
+    # the decoder layers' elementwise work (RMSNorm, rotary, SiLU x up, residual adds) fused
+    # into the compiled kernels (fused.py): CPU, float32, kernels built; TANDEM_FUSED=1|0
+    fused_elementwise: bool
     device_sampling: bool  # sampling on the device (device_sampler.py), else on the head's scan
     attention: AttentionBackend  # the paged attention the model runs with
     # The LM head's compiled CPU kernels, loaded once; None: torch ops do the head.
@@ -97,6 +100,7 @@ class Platform:
             thread_choices=choices,
             transposed_linears=_transposed_linears(device, dtype, threads, env),
             decoder_panels=_decoder_panels(dtype, kernels, env),
+            fused_elementwise=_fused_elementwise(dtype, kernels, env),
             device_sampling=_choice(env, "TANDEM_SAMPLER", ("device", "cpu"),
                                     "device" if device.type == "cuda" else "cpu") == "device",
             attention=attention_backend(device, dtype, env),
@@ -238,6 +242,19 @@ def _decoder_panels(dtype: torch.dtype, kernels: native.Kernels | None,
         return False
     choice = env.get("TANDEM_PANELS", "")
     return None if choice not in ("0", "1") else choice == "1"
+
+
+def _fused_elementwise(dtype: torch.dtype, kernels: native.Kernels | None,
+                       env: Mapping[str, str]) -> bool:
+    """Fused wherever the CPU kernels are built and the model runs in float32 (a GPU has
+    none: the fusion is the CPU's), unless TANDEM_FUSED=0; measured faster on the 0.5B shape
+    and on the tiny model, prefill and decode steps alike (docs/benchmarks.md)."""
+    wanted = _choice(env, "TANDEM_FUSED", ("1", "0"), "1") == "1"
+    possible = kernels is not None and dtype == torch.float32
+    if env.get("TANDEM_FUSED") == "1" and not possible:
+        log.warning("TANDEM_FUSED=1: the fused elementwise kernels need the CPU kernels and "
+                    "float32; the decoder runs transformers' own ops")
+    return wanted and possible
 
 
 def _head_kernels(device: torch.device, env: Mapping[str, str]) -> native.Kernels | None:

@@ -115,3 +115,49 @@ void count_above(const float *logits, int64_t ldc, const int64_t *rows, int64_t 
         out[i] += c;
     }
 }
+
+/* The decoder layer's elementwise work, one pass over each row (engine_core/fused.py): the
+ * sums and products in the order Hugging Face's modules take them, float32 throughout. */
+
+/* out[r] = w * (h * 1/sqrt(mean(h^2) + eps)) for rows r < rows of n floats, h being x[r];
+ * where res is given, x[r] += res[r] first (in place: x becomes the residual stream, the sum
+ * of a sublayer's output and its input) and h is that sum. */
+void rms_norm(float *x, const float *res, const float *w, float eps, int64_t rows, int64_t n,
+              float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *h = x + r * n, *o = out + r * n;
+        if (res)
+            for (int64_t i = 0; i < n; i++) h[i] += res[r * n + i];
+        float ss = 0.0f;
+        for (int64_t i = 0; i < n; i++) ss += h[i] * h[i];
+        float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) o[i] = w[i] * (h[i] * inv);
+    }
+}
+
+/* out = silu(gate) * up, elementwise over count floats */
+void silu_mul(const float *gate, const float *up, int64_t count, float *out) {
+    for (int64_t i = 0; i < count; i++) {
+        float g = gate[i];
+        out[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+/* Rotary embedding in place, for rows r < rows of x ([rows][heads][dim], row stride ldx):
+ * each head's halves (a, b) become (a * cos - b * sin, b * cos + a * sin), cos and sin being
+ * the row's [dim] vectors (row stride ldc), as transformers' rotate_half form computes it. */
+void rotary(float *x, int64_t ldx, int64_t rows, int64_t heads, int64_t dim, const float *cos,
+            const float *sin, int64_t ldc) {
+    int64_t half = dim / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + r * ldc, *s = sin + r * ldc;
+        for (int64_t h = 0; h < heads; h++) {
+            float *a = x + r * ldx + h * dim, *b = a + half;
+            for (int64_t i = 0; i < half; i++) {
+                float ai = a[i], bi = b[i];
+                a[i] = ai * c[i] + (-bi) * s[i];
+                b[i] = bi * c[half + i] + ai * s[half + i];
+            }
+        }
+    }
+}
