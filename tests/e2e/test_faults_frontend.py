@@ -48,7 +48,8 @@ async def test_a_killed_frontend_is_replaced_and_its_requests_aborted(tiny_llama
 
         # New connections are accepted: every one answers 200. (A connection the kernel queued
         # on the dead listener in the instant before its socket closed is reset: SO_REUSEPORT
-        # gives each frontend its own accept queue. A shared listening socket would close that.)
+        # gives each frontend its own accept queue. A shared listening socket would close that
+        # gap but balances bursts badly: docs/reliability.md.)
         await asyncio.sleep(0.5)
         seen = [await _served_by(srv.url) for _ in range(10)]
         assert victim not in seen
