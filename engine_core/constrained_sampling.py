@@ -22,11 +22,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from engine_core.lm_head import Scan
 from engine_core.request import Request
-from engine_core.structured import TokenMasker, allowed_ids, allows, apply_bitmask, is_broad
+from engine_core.structured import (
+    AllowedIds,
+    RequestGrammar,
+    TokenMasker,
+    allows,
+    apply_bitmask,
+    read_masks,
+)
 
 _MAX_REDRAWS = 64  # tokens a constrained row may draw and see refused before it is given up
 # A sampled constrained row whose unconstrained draw the grammar refuses draws again up to
@@ -50,6 +58,11 @@ class Draws(Protocol):
         softmax(logits / T) after the request's truncation."""
         ...
 
+    def draw_plain(self, vals: np.ndarray, reqs: Sequence[Request]) -> np.ndarray:
+        """A column per row of `vals` (-inf where not allowed) for requests with nothing to
+        process or truncate: argmax, or a draw from softmax(vals / T)."""
+        ...
+
 
 class FastDraws(NamedTuple):
     """The fast path's sampled rows (scan rows, in the order of the scan's block sums) and their
@@ -60,7 +73,10 @@ class FastDraws(NamedTuple):
 
 
 class ConstrainedSampler:
-    """The grammar work of a step: offering tokens to matchers, filling masks, masked draws."""
+    """The grammar work of a step: offering tokens to matchers, filling masks, masked draws.
+    A step's masks are filled in one bitmask with a row per constrained row that needs one (the
+    fast path's refused rows, then the general path's), so `masks[j]` is the mask of the j-th of
+    the rows a function is given."""
 
     def __init__(self, draws: Draws) -> None:
         self._draws = draws
@@ -70,27 +86,26 @@ class ConstrainedSampler:
                   fast: Sequence[int], general: Sequence[int],
                   sampled: FastDraws) -> torch.Tensor | None:
         """Make `tokens` of the constrained fast-path rows `fast` (their argmax or unconstrained
-        draw in) follow their grammars, their matchers advanced. Returns the step's bitmask,
-        filled for the rows refused and the constrained general-path rows `general`; None, and
-        no fill, when there are none."""
+        draw in) follow their grammars, their matchers advanced. Returns the masks of the
+        constrained general-path rows `general` (a row each, in order); None when there are
+        none. The masks are filled in one call, for those rows and the fast rows refused."""
         refused = self._offer(fast, tokens, reqs)
-        bitmask = self._fill(reqs, sorted(refused + list(general)), scan.logits.shape[1])
+        masks = self._fill(reqs, refused + list(general), scan.logits.shape[1])
         if refused:
-            assert bitmask is not None
-            self._redraw(scan, bitmask, torch.tensor(refused), tokens, reqs, sampled)
-        return bitmask
+            assert masks is not None
+            self._redraw(scan, masks[:len(refused)], refused, tokens, reqs, sampled)
+        return masks[len(refused):] if general and masks is not None else None
 
     @staticmethod
     def mask_general(logits: torch.Tensor, reqs: Sequence[Request],
-                     bitmask: torch.Tensor) -> None:
-        """Apply the constrained rows' masks to general-path `logits` (the rows of `logits` and
-        `bitmask` are `reqs`), before anything else touches them."""
+                     masks: torch.Tensor) -> None:
+        """Apply the constrained rows' `masks` (in order) to general-path `logits` (a row per
+        request of `reqs`), before anything else touches them."""
         rows = torch.tensor([i for i, r in enumerate(reqs) if r.grammar is not None],
                             dtype=torch.int64)
-        if len(rows):
-            masked = logits[rows]
-            apply_bitmask(masked, bitmask[rows])
-            logits[rows] = masked
+        masked = logits[rows]
+        apply_bitmask(masked, masks)
+        logits[rows] = masked
 
     def advance_general(self, logits: torch.Tensor, reqs: Sequence[Request],
                         tokens: torch.Tensor) -> None:
@@ -106,92 +121,79 @@ class ConstrainedSampler:
         (it stays as it was)."""
         if not rows:
             return []
-        grammars = [g for g in (reqs[i].grammar for i in rows) if g is not None]
-        accepted = self._masker.accept(grammars, tokens[list(rows)].tolist())
+        drawn = tokens.tolist()
+        accepted = self._masker.accept(_grammars(reqs, rows), [drawn[i] for i in rows])
         return [i for i, ok in zip(rows, accepted, strict=True) if not ok]
 
     def _fill(self, reqs: Sequence[Request], rows: Sequence[int],
               vocab: int) -> torch.Tensor | None:
-        """The step's bitmask, one row per request, filled in one call for the constrained
-        `rows` (every token allowed elsewhere); None, and no fill, when `rows` is empty."""
+        """The masks of the constrained `rows` (a bitmask row each, in order), filled in one
+        call; None, and no fill, when `rows` is empty."""
         if not rows:
             return None
-        grammars = [g for g in (reqs[i].grammar for i in rows) if g is not None]
-        return self._masker.fill(len(reqs), vocab, rows, grammars)
+        return self._masker.fill(len(rows), vocab, range(len(rows)), _grammars(reqs, rows))
 
-    def _redraw(self, scan: Scan, bitmask: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
+    def _redraw(self, scan: Scan, masks: torch.Tensor, rows: list[int], tokens: torch.Tensor,
                 reqs: Sequence[Request], sampled: FastDraws) -> None:
         """New tokens for the fast-path `rows` whose first token the matcher refused, exactly
-        under their masks, then their matchers advanced. Sampled rows with a broad mask draw
+        under their `masks`, then their matchers advanced. Sampled rows with a broad mask draw
         again while the mask refuses (rejection sampling: the accepted draw follows the masked
         distribution however many were refused, and so does the exact draw that ends the
-        tries); the rest draw from their masked logits."""
-        broad = is_broad(bitmask[rows], _BROAD)
-        left = self._retry(scan, bitmask, rows, broad, tokens, reqs, sampled)
-        if bool(left.any()):
-            tokens[rows[left]] = self._draw_masked(scan.logits, bitmask, rows[left], broad[left],
-                                                   reqs)
-        self._advance_masked(scan, bitmask, rows, tokens, reqs)
+        tries); the rest draw from their masked logits: a broad mask's whole row, masked, a
+        narrow one's allowed tokens alone."""
+        read = read_masks(masks, scan.logits.shape[1], _BROAD)
+        left = self._retry(scan, masks, rows, read.broad, tokens, reqs, sampled)
+        for dense in (True, False):
+            part = [j for j in left if read.broad[j] == dense]
+            if part:
+                picked = [rows[j] for j in part]
+                ids, vals = (_masked_rows(scan.logits, masks[part], picked) if dense else
+                             _allowed_logits(scan.logits, read.narrow, part, picked))
+                tokens[picked] = self._draw_masked(ids, vals, [reqs[i] for i in picked])
+        self._advance_masked(scan, masks, rows, tokens, reqs)
 
-    def _retry(self, scan: Scan, bitmask: torch.Tensor, rows: torch.Tensor, broad: torch.Tensor,
-               tokens: torch.Tensor, reqs: Sequence[Request], sampled: FastDraws) -> torch.Tensor:
+    def _retry(self, scan: Scan, masks: torch.Tensor, rows: list[int], broad: list[bool],
+               tokens: torch.Tensor, reqs: Sequence[Request], sampled: FastDraws) -> list[int]:
         """Draw again from the scan's block sums for the sampled ones of `rows` whose masks are
         `broad`, up to _RETRIES times, keeping the first draw the mask allows; which of `rows`
-        are still without one (bool). Whether a row retries depends on its mask only, never on
-        what it drew."""
-        left = torch.ones(len(rows), dtype=torch.bool)
+        (indices into it) are still without one. Whether a row retries depends on its mask
+        only, never on what it drew."""
         sums = scan.block_sums
-        if not len(sampled.rows) or sums is None:
-            return left
-        position = torch.full((len(tokens),), -1, dtype=torch.int64)
-        position[sampled.rows] = torch.arange(len(sampled.rows))
-        again = torch.nonzero((position[rows] >= 0) & broad)[:, 0]  # indices into rows
+        position = {row: k for k, row in enumerate(sampled.rows.tolist())}
+        again = [j for j, row in enumerate(rows) if broad[j] and row in position]
+        if sums is None or not again:
+            return list(range(len(rows)))
+        left = [j for j in range(len(rows)) if j not in again]
         for _ in range(_RETRIES):
-            if not len(again):
-                break
-            at, scan_rows = position[rows[again]], rows[again]
-            drawn = self._draws.draw_from_blocks(scan, sums[at], scan_rows, sampled.temps[at],
-                                                 [reqs[i] for i in scan_rows.tolist()])
+            scan_rows = [rows[j] for j in again]
+            at = torch.tensor([position[i] for i in scan_rows])
+            drawn = self._draws.draw_from_blocks(scan, sums[at], torch.tensor(scan_rows),
+                                                 sampled.temps[at], [reqs[i] for i in scan_rows])
             tokens[scan_rows] = drawn
-            ok = allows(bitmask, scan_rows, drawn)
-            left[again[ok]] = False
-            again = again[~ok]
-        return left
+            ok = allows(masks, again, drawn.tolist()).tolist()
+            again = [j for j, done in zip(again, ok, strict=True) if not done]
+            if not again:
+                break
+        return sorted(left + again)
 
-    def _draw_masked(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor,
-                     broad: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        """Exact tokens for `rows` from their masked raw logits: the argmax for a greedy row,
-        else a draw from softmax(masked logits / T), the masked distribution itself. A narrow
-        mask's row looks at its allowed tokens only; a broad one's at its whole row, masked."""
-        tokens = torch.empty(len(rows), dtype=torch.int64)
-        for part, dense in ((broad, True), (~broad, False)):
-            if bool(part.any()):
-                ids, vals = _masked_candidates(logits, bitmask, rows[part], dense)
-                picked = [reqs[i] for i in rows[part].tolist()]
-                tokens[part] = ids.gather(1, self._pick_among(vals, picked)[:, None])[:, 0]
-        return tokens
+    def _draw_masked(self, ids: np.ndarray, vals: np.ndarray,
+                     reqs: Sequence[Request]) -> torch.Tensor:
+        """Exact tokens for fast-path rows from their candidates `ids` and masked raw logits
+        `vals` (-inf where not allowed): the argmax for a greedy row, else a draw from
+        softmax(vals / T), the masked distribution itself (a row that allows nothing keeps a
+        token its matcher refuses, see _advance_masked)."""
+        cols = self._draws.draw_plain(vals, reqs)
+        return torch.from_numpy(ids[np.arange(len(reqs)), cols])
 
-    def _pick_among(self, vals: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        """Per row of masked logits (-inf where disallowed), the column of the argmax (the first
-        of equal maxima, as torch.argmax) or of a draw from softmax(vals / T). A row that allows
-        nothing keeps a column its matcher refuses (see _advance_masked)."""
-        picks = vals.argmax(-1)
-        live = torch.nonzero(vals.amax(-1) > -float("inf"))[:, 0]
-        if len(live):
-            picks[live] = self._draws.draw_processed(vals[live], [reqs[int(i)] for i in live])
-        return picks
-
-    def _advance_masked(self, scan: Scan, bitmask: torch.Tensor, rows: torch.Tensor,
+    def _advance_masked(self, scan: Scan, masks: torch.Tensor, rows: list[int],
                         tokens: torch.Tensor, reqs: Sequence[Request]) -> None:
         """Advance the matchers of `rows` past their masked tokens, in one call; a token the
         matcher refuses although its mask allowed it is drawn again (_advance)."""
-        picked = rows.tolist()
-        grammars = [g for g in (reqs[i].grammar for i in picked) if g is not None]
-        accepted = self._masker.accept(grammars, tokens[rows].tolist())
-        for i, ok in zip(picked, accepted, strict=True):
+        accepted = self._masker.accept(_grammars(reqs, rows), tokens[rows].tolist())
+        for j, (i, ok) in enumerate(zip(rows, accepted, strict=True)):
             if not ok:
                 row = scan.logits[i:i + 1].to("cpu", copy=True)
-                apply_bitmask(row, bitmask[i:i + 1])
+                apply_bitmask(row, masks[j:j + 1])
                 row[0, tokens[i]] = -float("inf")
                 redrawn = int(self._draws.draw_processed(row, [reqs[i]])[0])
                 tokens[i] = self._advance(row, reqs[i], redrawn)
@@ -210,15 +212,24 @@ class ConstrainedSampler:
         return token
 
 
-def _masked_candidates(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor,
-                       dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids [n, m] and their raw logits on the CPU, -inf where the mask disallows them, for
-    `rows`: `dense`, every token of the row (one masked copy); else only the allowed ones."""
+def _grammars(reqs: Sequence[Request], rows: Sequence[int]) -> list[RequestGrammar]:
+    return [g for g in (reqs[i].grammar for i in rows) if g is not None]
+
+
+def _masked_rows(logits: torch.Tensor, masks: torch.Tensor,
+                 rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Every token id [n, V] and the raw logits on the CPU, -inf where `masks` disallow them,
+    of `rows` (one masked copy)."""
+    vals = logits[torch.tensor(rows, device=logits.device)]
+    apply_bitmask(vals, masks)
+    return np.broadcast_to(np.arange(vals.shape[1]), vals.shape), vals.cpu().numpy()
+
+
+def _allowed_logits(logits: torch.Tensor, allowed: AllowedIds, part: list[int],
+                    rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The allowed token ids [n, m] (`part` of `allowed`) of `rows` and their raw logits on the
+    CPU, -inf past each row's own."""
+    ids, valid = allowed.ids[part], allowed.valid[part]
     at = logits.device
-    if dense:
-        vals = logits[rows.to(at)]
-        apply_bitmask(vals, bitmask[rows])
-        return torch.arange(vals.shape[1]).expand(len(rows), -1), vals.cpu()
-    allowed = allowed_ids(bitmask[rows], logits.shape[1])
-    vals = logits[rows.to(at)[:, None], allowed.ids.to(at)].cpu()
-    return allowed.ids, vals.masked_fill_(~allowed.valid, -float("inf"))
+    picked = logits[torch.tensor(rows, device=at)[:, None], torch.from_numpy(ids).to(at)]
+    return ids, np.where(valid, picked.cpu().numpy(), -np.inf)

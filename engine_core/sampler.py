@@ -108,16 +108,15 @@ class Sampler:
             tokens[fast.rows] = self.draw_from_blocks(scan, scan.block_sums, fast.rows,
                                                       fast.temps,
                                                       [reqs[i] for i in plan.fast_sampled])
-        bitmask = None
+        masks = None  # the general path's constrained rows' masks, when it has any
         if plan.constrained or plan.general_constrained:
             self._constrained = self._constrained or ConstrainedSampler(self)
-            bitmask = self._constrained.constrain(scan, tokens, reqs, plan.constrained,
-                                                  plan.general_constrained, fast)
+            masks = self._constrained.constrain(scan, tokens, reqs, plan.constrained,
+                                                plan.general_constrained, fast)
         if plan.general:
             idx = torch.tensor(plan.general, dtype=torch.int64)
             logits = scan.logits[idx.to(scan.logits.device)].cpu()
-            tokens[idx] = self._draw_general(logits, [reqs[i] for i in plan.general],
-                                             None if bitmask is None else bitmask[idx])
+            tokens[idx] = self._draw_general(logits, [reqs[i] for i in plan.general], masks)
         rows = np.array(lp_rows, dtype=np.int64)
         top = None
         if lp_rows:
@@ -152,15 +151,15 @@ class Sampler:
         return (block * BLOCK + _pick_within(weights, rest)).clamp_(max=scan.logits.shape[1] - 1)
 
     def _draw_general(self, logits: torch.Tensor, reqs: Sequence[Request],
-                      bitmask: torch.Tensor | None) -> torch.Tensor:
-        """Rows with bias, penalties, min_tokens or truncation (`bitmask`: their rows of the
-        step's bitmask, when the step has constrained rows): mask, process, draw, advance."""
-        if bitmask is not None:
-            ConstrainedSampler.mask_general(logits, reqs, bitmask)
+                      masks: torch.Tensor | None) -> torch.Tensor:
+        """Rows with bias, penalties, min_tokens or truncation (`masks`: those of its
+        constrained rows, in order, when it has any): mask, process, draw, advance."""
+        if masks is not None:
+            ConstrainedSampler.mask_general(logits, reqs, masks)
         for i, req in enumerate(reqs):
             self._process_row(logits[i], req)
         tokens = self.draw_processed(logits, reqs)
-        if bitmask is not None:
+        if masks is not None:
             assert self._constrained is not None
             self._constrained.advance_general(logits, reqs, tokens)
         return tokens
@@ -176,6 +175,18 @@ class Sampler:
             weights = _truncated_probs(scaled, [reqs[int(i)] for i in rand])
             tokens[rand] = inverse_cdf(weights, self._uniforms([reqs[int(i)] for i in rand]))
         return tokens
+
+    def draw_plain(self, vals: np.ndarray, reqs: Sequence[Request]) -> np.ndarray:
+        """A column per row of `vals` (a few candidates per row, -inf where not allowed) for
+        requests with nothing to process or truncate: the argmax (the first of equal maxima)
+        for a greedy row or one that allows nothing, else a draw from softmax(vals / T)."""
+        temps = np.array([r.params.temperature for r in reqs])
+        cols = vals.argmax(1)
+        rand = np.flatnonzero((temps >= _GREEDY_EPS) & (vals.max(1, initial=-np.inf) > -np.inf))
+        if len(rand):
+            u = self._uniforms([reqs[int(i)] for i in rand]).numpy()[:, 0]
+            cols[rand] = softmax_draw(vals[rand], temps[rand], u)
+        return cols
 
     def _process_row(self, row: torch.Tensor, req: Request) -> None:
         p = req.params
@@ -210,6 +221,18 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = BLOCK) -> t
     blocks = weights.view(rows, nblocks, block)
     b, rest = _pick_block(blocks.sum(-1), u)
     return b * block + _pick_within(blocks[torch.arange(rows), b], rest)
+
+
+def softmax_draw(vals: np.ndarray, temps: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Per row of `vals` [n, m] (some finite), the column of the inverse-CDF draw from
+    softmax(vals / T) at the uniform u in [0, 1): the first whose cumulative weight exceeds
+    u * total. One scan of the row, in float64; a column of zero weight is never chosen (the
+    target is kept below the total)."""
+    x = vals.astype(np.float64)
+    cdf = np.exp((x - x.max(1, keepdims=True)) / temps[:, None]).cumsum(1)
+    total = cdf[:, -1:]
+    target = np.minimum(u[:, None] * total, np.nextafter(total, 0.0))
+    return np.count_nonzero(cdf <= target, axis=1)
 
 
 def _pick_block(block_sums: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

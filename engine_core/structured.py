@@ -13,8 +13,8 @@ engine that never sees a constraint never loads it (nor builds its tokenizer tab
   recomputed, not resampled), so the matcher, which has seen exactly those tokens, stays
   valid as it is.
 - `TokenMasker` fills one bitmask row per constrained row of a step, all rows in one call,
-  and advances their matchers in one call; `allows`, `is_broad`, `apply_bitmask` and
-  `allowed_ids` read a bitmask (the masked draws, engine_core/constrained_sampling.py).
+  and advances their matchers in one call; `allows`, `apply_bitmask` and `read_masks` read a
+  bitmask (the masked draws, engine_core/constrained_sampling.py).
 
 JSON whitespace: with unbounded whitespace a model can loop on whitespace tokens until
 max_tokens (vLLM #38696), so each gap between JSON tokens holds at most MAX_WHITESPACE
@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 from shared.messages import StructuredOutput
@@ -233,13 +234,11 @@ class TokenMasker:
         return list(self._batch.batch_accept_token([g.matcher for g in grammars], list(tokens)))
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
-def allows(bitmask: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def allows(bitmask: torch.Tensor, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
     """Whether row `rows[i]` of `bitmask` allows `tokens[i]` (bool [n]): one bit each."""
-    words = bitmask[rows, tokens // 32]
-    return ((words >> (tokens % 32).to(torch.int32)) & 1).bool()
+    at = np.asarray(tokens, dtype=np.int64)
+    words = bitmask.numpy()[np.asarray(rows, dtype=np.int64), at // 32]
+    return ((words >> (at % 32)) & 1).astype(bool)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -251,32 +250,48 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
                                          vocab_size=logits.shape[1])
 
 
-def is_broad(bitmask: torch.Tensor, share: float) -> torch.Tensor:
-    """Whether at least `share` of each row's words allow some token (bool [rows]): a cheap
-    stand-in for the share of the vocabulary a mask allows."""
-    return (bitmask != 0).float().mean(1) >= share
-
-
 class AllowedIds(NamedTuple):
     """Each bitmask row's allowed tokens, ascending, padded to the longest row."""
 
-    ids: torch.Tensor  # [rows, n] int64, 0 where not valid
-    valid: torch.Tensor  # [rows, n] bool
+    ids: np.ndarray  # [rows, n] int64, 0 where not valid
+    valid: np.ndarray  # [rows, n] bool
 
 
-def allowed_ids(bitmask: torch.Tensor, vocab: int) -> AllowedIds:
-    """The allowed tokens (below `vocab`) of each bitmask row. Only words with a bit set are
-    unpacked, so a grammar that allows a few tokens costs a few, not the vocabulary."""
-    row_of, word = torch.nonzero(bitmask, as_tuple=True)  # row-major: rows, then words, ascend
-    entry, bit = torch.nonzero((bitmask[row_of, word, None] >> _SHIFTS) & 1, as_tuple=True)
+class MaskRows(NamedTuple):
+    """A bitmask's rows, read for the masked draws."""
+
+    broad: list[bool]  # whether at least a given share of the row's words allow some token
+    narrow: AllowedIds  # the allowed tokens of the rows that are not broad (none for the rest)
+
+
+def read_masks(bitmask: torch.Tensor, vocab: int, share: float) -> MaskRows:
+    """Which rows are broad (the share of their words that allow some token, a cheap stand-in
+    for the share of the vocabulary, is at least `share`), and the allowed tokens (below
+    `vocab`) of the others. One pass finds the words with a bit set; only the narrow rows'
+    are unpacked, so a grammar that allows a few tokens costs a few, not the vocabulary."""
+    words = bitmask.numpy()
+    row_of, word = np.nonzero(words)  # row-major: rows, then words, ascend
+    broad = np.bincount(row_of, minlength=len(words)) >= share * words.shape[1]
+    if broad.any():
+        narrow = ~broad[row_of]
+        row_of, word = row_of[narrow], word[narrow]
+    return MaskRows(broad.tolist(), _unpack(words, row_of, word, vocab))
+
+
+def _unpack(words: np.ndarray, row_of: np.ndarray, word: np.ndarray, vocab: int) -> AllowedIds:
+    """The tokens below `vocab` allowed by words `word` of rows `row_of` (row-major) of
+    `words`, a row of AllowedIds per row of `words`."""
+    # bit j of a word is column j: its little-endian bytes, each unpacked lowest bit first
+    octets = words[row_of, word].astype("<i4").view(np.uint8).reshape(-1, 4)
+    entry, bit = np.nonzero(np.unpackbits(octets, axis=1, bitorder="little"))
     row, token = row_of[entry], word[entry] * 32 + bit
     below = token < vocab
     row, token = row[below], token[below]
-    counts = torch.bincount(row, minlength=bitmask.shape[0])
-    position = torch.arange(len(row)) - (counts.cumsum(0) - counts)[row]
-    width = max(1, int(counts.max())) if len(counts) else 1
-    ids = torch.zeros(bitmask.shape[0], width, dtype=torch.int64)
-    valid = torch.zeros(bitmask.shape[0], width, dtype=torch.bool)
+    counts = np.bincount(row, minlength=len(words))
+    position = np.arange(len(row)) - (counts.cumsum() - counts)[row]
+    width = max(1, int(counts.max(initial=0)))
+    ids = np.zeros((len(words), width), dtype=np.int64)
+    valid = np.zeros((len(words), width), dtype=bool)
     ids[row, position] = token
     valid[row, position] = True
     return AllowedIds(ids, valid)

@@ -11,6 +11,7 @@ import math
 import re
 from concurrent.futures import Future
 
+import numpy as np
 import torch
 
 from engine_core.lm_head import BLOCK, LMHead
@@ -137,6 +138,34 @@ def test_sampled_rows_get_their_tokens_logprob_and_rank():
     assert (out.logprobs.ranks[:4] > 1).any()  # some sampled token was not the argmax
 
 
+def test_plain_draws_follow_softmax_over_the_allowed_and_greedy_takes_the_first_maximum():
+    """Sampler.draw_plain (the fast path's exact masked draws over a few candidates): sampled
+    rows follow softmax(vals / T) over their finite entries and never draw a -inf one; greedy
+    rows, and a row that allows nothing, take the first of equal maxima; a seed repeats."""
+    row = np.array([0.5, -np.inf, 1.5, -1.0, -np.inf, 1.5], dtype=np.float32)
+    sampler = Sampler([], seed=0)
+    for temp in (1.0, 0.7):
+        reqs = [Request(f"r{i}", [1], SamplingParams(temperature=temp)) for i in range(20000)]
+        cols = sampler.draw_plain(np.tile(row, (len(reqs), 1)), reqs)
+        got = np.bincount(cols, minlength=len(row)) / len(cols)
+        expected = torch.softmax(torch.from_numpy(row) / temp, -1).numpy()
+        assert np.abs(got - expected).max() < 0.01, temp
+        assert got[1] == got[4] == 0.0  # never a disallowed one
+    rows = np.stack([row, row, np.full_like(row, -np.inf)])
+    greedy = [Request(f"g{i}", [1], SamplingParams(temperature=0.0)) for i in range(3)]
+    assert sampler.draw_plain(rows, greedy).tolist() == [2, 2, 0]
+
+    def seeded(sampler_seed: int, others: int) -> list[int]:
+        """Eight draws of a request with seed 7, after `others` unseeded rows."""
+        reqs = [Request(f"o{i}", [1], SamplingParams(temperature=1.0)) for i in range(others)]
+        reqs.append(Request("s", [1], SamplingParams(temperature=1.0, seed=7)))
+        sampler = Sampler([], seed=sampler_seed)
+        return [int(sampler.draw_plain(np.tile(row, (len(reqs), 1)), reqs)[-1])
+                for _ in range(8)]
+
+    assert seeded(1, 0) == seeded(2, 3)
+
+
 # Constrained rows on synthetic logits: a 600-token vocabulary of distinct strings of a-f (token
 # i spells i in base 6, digits as letters), some tokens "Z" instead, EOS last. "[a-f]+" allows
 # every letter token (a broad mask: the fast path's draws are mostly allowed, some retried);
@@ -227,11 +256,11 @@ def test_constrained_greedy_is_the_masked_argmax():
 def test_a_token_the_grammar_accepts_as_drawn_needs_no_mask(monkeypatch):
     """The fast path: rows whose argmax their grammar accepts keep it, no mask filled; the rows
     refused get their masks in one fill, and the masked argmax."""
-    fills: list[list[int]] = []
+    fills: list[list[RequestGrammar]] = []
     real = TokenMasker.fill
 
     def counted(self, rows, vocab, constrained, grammars):
-        fills.append(list(constrained))
+        fills.append(list(grammars))
         return real(self, rows, vocab, constrained, grammars)
 
     monkeypatch.setattr(TokenMasker, "fill", counted)
@@ -239,7 +268,7 @@ def test_a_token_the_grammar_accepts_as_drawn_needs_no_mask(monkeypatch):
     logits[301] = 9.0  # a letter token leads: "[a-f]+" accepts it, "f+" does not
     reqs = constrained(2, "[a-f]+", temperature=0.0) + constrained(2, "f+", temperature=0.0)
     assert sample(logits, reqs).tolist() == [301, 301, 35, 35]  # "ff": the best "f+" allows
-    assert fills == [[2, 3]]
+    assert fills == [[reqs[2].grammar, reqs[3].grammar]]
 
 
 def test_a_token_the_mask_allows_but_the_matcher_refuses_is_drawn_again(monkeypatch):
@@ -273,17 +302,20 @@ def test_constrained_rows_keep_the_raw_logprobs_and_free_rows_their_draws():
     assert torch.allclose(torch.from_numpy(out.logprobs.logprobs[:3]), raw, atol=1e-5)
 
 
-def test_allowed_ids_and_allows_read_the_bitmask():
-    from engine_core.structured import allowed_ids, allows, is_broad
+def test_read_masks_and_allows_read_the_bitmask():
+    from engine_core.structured import allows, read_masks
 
     bitmask = torch.zeros(3, 19, dtype=torch.int32)  # 608 bits for 600 tokens
     bitmask[0, 0] = 1 << 3
     bitmask[0, 18] = -(1 << 31) | 1 << 23  # bit 31 (token 607, past the vocabulary) and 599
     bitmask[2] = -1
-    ids = allowed_ids(bitmask, VOCAB)
+    ids = read_masks(bitmask, VOCAB, 2.0).narrow  # no row is broad: all are unpacked
     assert ids.ids[0][ids.valid[0]].tolist() == [3, 599]
     assert not ids.valid[1].any()
     assert ids.ids[2][ids.valid[2]].tolist() == list(range(VOCAB))
-    assert is_broad(bitmask, 0.25).tolist() == [False, False, True]
-    rows, tokens = torch.tensor([0, 0, 1, 2]), torch.tensor([3, 4, 3, 599])
+    read = read_masks(bitmask, VOCAB, 0.25)
+    assert read.broad == [False, False, True]
+    assert read.narrow.ids[0][read.narrow.valid[0]].tolist() == [3, 599]
+    assert not read.narrow.valid[1:].any()  # a broad row's tokens are not unpacked
+    rows, tokens = [0, 0, 1, 2], [3, 4, 3, 599]
     assert allows(bitmask, rows, tokens).tolist() == [True, False, False, True]
