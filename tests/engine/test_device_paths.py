@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from transformers import AutoTokenizer
 
 import engine_core.attention_cuda as attention_cuda
 import engine_core.model_runner as model_runner
@@ -22,23 +21,12 @@ from engine_core.sampler import Sampler
 from shared.messages import SamplingParams
 from tests.engine.driver import run
 from tests.engine.test_hf_parity import (
-    Reference,
     assert_drained,
     assert_parity,
     make_prompts,
     submit_and_run,
 )
 from tests.unit.engine_core.test_attention_cuda import reference_decode, reference_varlen
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama):
-    return AutoTokenizer.from_pretrained(str(tiny_llama))
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama) -> Reference:
-    return Reference(tiny_llama)
 
 
 def engine(model, sampler: str, **kw) -> EngineCore:

@@ -18,16 +18,6 @@ from tests.engine.test_hf_parity import (
 )
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama):
-    return AutoTokenizer.from_pretrained(str(tiny_llama))
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama) -> Reference:
-    return Reference(tiny_llama)
-
-
 def _fused_layers(core) -> int:
     return sum(isinstance(m, FusedDecoderLayer) for m in core.runner.decoder.modules())
 

@@ -57,16 +57,6 @@ class Reference:
         return [float(lp[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama: Path):
-    return AutoTokenizer.from_pretrained(str(tiny_llama))
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama: Path) -> Reference:
-    return Reference(tiny_llama)
-
-
 def submit_and_run(core: EngineCore, prompts: list[list[int]], prompt_logprobs: bool = False,
                    tag: str = "r") -> dict[str, Collected]:
     for i, p in enumerate(prompts):
