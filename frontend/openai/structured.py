@@ -7,7 +7,7 @@ Two spellings, at most one per request: OpenAI's `response_format` (`text`, `jso
 and so are the bounds on what the engine's one compile thread may be asked to do (a schema's
 nesting, a regex's or grammar's length: compile time grows much faster than either, and a
 request holding that thread delays every constrained request behind it), and a schema's width
-(`SchemaLimits`: its properties, optional properties, enum values and the characters of its
+(`SchemaWidth`: its properties, optional properties, enum values and the characters of its
 names and values). A string schema with `pattern` and `minLength`/`maxLength` is refused too:
 xgrammar keeps the pattern and drops the lengths (with only a log line), and its regexes have
 no lookahead to join them. Whether a schema,
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 import msgspec
@@ -39,12 +38,11 @@ MAX_SCHEMA_DEPTH = 64
 MAX_SPEC_CHARS = 65_536
 
 
-@dataclass(frozen=True)
-class SchemaLimits:
-    """The most of each thing a schema's grammar costs to compile: its objects' properties, the
-    optional ones (not in their object's `required`, which cost the most), its enum values, and
-    the characters of its property names, definition names, enum and const values (OpenAI's
-    measure). Counted in the whole schema."""
+class SchemaWidth(NamedTuple):
+    """What a schema's grammar costs to compile, counted in the whole schema: its objects'
+    properties, the optional ones (not in their object's `required`, which cost the most), its
+    enum values, and the characters of its property names, definition names, enum and const
+    values (OpenAI's measure). Both a schema's counts (`schema_width`) and their bounds."""
 
     properties: int
     optional_properties: int
@@ -57,17 +55,8 @@ class SchemaLimits:
 # 5,000 and 120,000 (xgrammar's compile time grows faster than either), and 128 optional
 # properties (OpenAI's strict schemas have none); at these bounds a schema compiles in
 # 0.1-0.7 s (docs/reliability.md). A choice list counts as an enum.
-SCHEMA_LIMITS = SchemaLimits(properties=1_000, optional_properties=128, enum_values=1_000,
-                             literal_chars=32_768)
-
-
-class SchemaWidth(NamedTuple):
-    """What a schema holds, in `SchemaLimits`' terms."""
-
-    properties: int
-    optional_properties: int
-    enum_values: int
-    literal_chars: int
+SCHEMA_LIMITS = SchemaWidth(properties=1_000, optional_properties=128, enum_values=1_000,
+                            literal_chars=32_768)
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
@@ -224,7 +213,7 @@ def nesting_depth(value: Any, limit: int) -> int:
     return deepest
 
 
-def check_schema_width(schema: dict[str, Any], limits: SchemaLimits, field: str,
+def check_schema_width(schema: dict[str, Any], limits: SchemaWidth, field: str,
                        param: str) -> None:
     """A 400 naming `field` (its `param`) for a schema wider than `limits`."""
     _check_width(schema_width(schema), limits, field, param)
@@ -237,9 +226,8 @@ _WIDTH_NAMES = {"properties": "object properties",
                                  "const values"}
 
 
-def _check_width(width: SchemaWidth, limits: SchemaLimits, field: str, param: str) -> None:
-    for name, count in width._asdict().items():
-        limit = getattr(limits, name)
+def _check_width(width: SchemaWidth, limits: SchemaWidth, field: str, param: str) -> None:
+    for name, count, limit in zip(SchemaWidth._fields, width, limits, strict=True):
         if count > limit:
             raise bad_request(
                 f"{field} holds {count:,} {_WIDTH_NAMES[name]}; at most {limit:,} are accepted "

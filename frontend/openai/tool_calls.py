@@ -34,7 +34,7 @@ from frontend.openai.protocol_chat import (
 )
 from frontend.openai.structured import (
     Constraint,
-    SchemaLimits,
+    SchemaWidth,
     check_schema,
     check_schema_width,
 )
@@ -56,8 +56,8 @@ EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 # parameters, 4 of them optional, one an enum of 16 values, fit. Such a grammar compiles in
 # seconds, not in the fraction of one a single schema takes, but once per set of tools: the
 # engine caches it by constraint (docs/reliability.md).
-TOOL_GRAMMAR_LIMITS = SchemaLimits(properties=2_560, optional_properties=512,
-                                   enum_values=2_560, literal_chars=32_768)
+TOOL_GRAMMAR_LIMITS = SchemaWidth(properties=2_560, optional_properties=512,
+                                  enum_values=2_560, literal_chars=32_768)
 
 
 class FunctionDefinition(msgspec.Struct, kw_only=True):

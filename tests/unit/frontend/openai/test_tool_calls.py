@@ -6,7 +6,6 @@ answer with finish "stop"."""
 from __future__ import annotations
 
 import json
-from dataclasses import astuple
 from typing import Any
 
 import pytest
@@ -328,7 +327,7 @@ async def test_128_realistic_tools_fit_the_required_grammar(client: Client,
     tools = [realistic_tool(i) for i in range(128)]
     schema = required_schema([FunctionDefinition(**t["function"]) for t in tools], True)
     width = schema_width(schema)
-    assert all(n <= limit for n, limit in zip(width, astuple(TOOL_GRAMMAR_LIMITS), strict=True))
+    assert all(n <= limit for n, limit in zip(width, TOOL_GRAMMAR_LIMITS, strict=True))
     await post(client, messages=answering('[{"name": "tool_number_0", "parameters": {}}]'),
                tools=tools, tool_choice="required")
     assert engine.added[-1].params.structured == StructuredOutput("json", sorted_json(schema))
