@@ -96,7 +96,7 @@ class FrontendLiveness:
 
     def lost(self) -> list[bytes]:
         """Identities silent for longer than the timeout; forgotten once returned (busy loop).
-        None while the I/O thread has not ticked for PAUSED_S (it has pings to read first)."""
+        Nobody while the I/O thread has not ticked for PAUSED_S (it has pings to read first)."""
         now = self._clock()
         if now - self._last_tick > PAUSED_S:
             return []
