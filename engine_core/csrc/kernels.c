@@ -3,10 +3,12 @@
  *
  * The weights are pre-packed in 16-column panels ([panels][hidden][16], contiguous), so a GEMM
  * streams them sequentially, prefetching ahead; each panel (8 KB at hidden 128, 56 KB at 896)
- * stays in L1/L2 while every row tile uses it. Register tiles are 6 rows x 16 columns, the
- * shape that fills AVX2's 16 vector registers; the vector type is GCC's generic one, so the
- * same source builds for whatever -march=native offers. The sum over the hidden dimension runs
- * in index order with one accumulator per output, as a plain GEMM does.
+ * stays in L1/L2 while every row tile uses it. A register tile is MR rows x 16 columns: with
+ * AVX-512 one 16-float register per row and MR = 16 (16 of its 32 registers: a decode step's
+ * 16 rows read the panel once); otherwise two 8-float registers per row and MR = 6, the shape
+ * that fills AVX2's 16. The vector type is GCC's generic one, so the same source builds for
+ * whatever -march=native offers. The sum over the hidden dimension runs in index order with
+ * one accumulator per output, as a plain GEMM does, so both tile shapes give the same bits.
  *
  * panel_matmul: columns of x @ W (the decoder's linear layers, for the few rows of a decode
  * step, where streaming the weight from memory is the cost: docs/benchmarks.md).
@@ -20,36 +22,39 @@
 #include <string.h>
 
 #define NR 16 /* columns per packed panel and per register tile */
-#define MR 6  /* rows per register tile */
 #define AHEAD 64 /* hidden rows of a panel prefetched ahead of the one in use (4 KB) */
-
-typedef float v8 __attribute__((vector_size(32)));
-
-static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+#if defined(__AVX512F__)
+#define VW 16 /* floats per vector register */
+#define MR 16 /* rows per register tile */
+#else
+#define VW 8
+#define MR 6
+#endif
+#define NV (NR / VW) /* registers per tile row */
+typedef float vec __attribute__((vector_size(VW * 4)));
+static inline vec loadv(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
+static inline void storev(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
 /* c[r, 0:16] = a[r, :] @ panel for mr rows; mr is a constant wherever this is inlined */
 static inline __attribute__((always_inline)) void tile(const int mr, const float *a, int64_t lda,
                                                        const float *panel, int64_t hidden,
                                                        float *c, int64_t ldc) {
-    v8 acc[MR][2];
-    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = (v8){0};
+    vec acc[MR][NV];
+    for (int r = 0; r < mr; r++) for (int v = 0; v < NV; v++) acc[r][v] = (vec){0};
     for (int64_t k = 0; k < hidden; k++) {
         __builtin_prefetch(panel + (k + AHEAD) * NR); /* a hint: past the end is harmless */
-        v8 b0 = load8(panel + k * NR), b1 = load8(panel + k * NR + 8);
+        vec b[NV];
+        for (int v = 0; v < NV; v++) b[v] = loadv(panel + k * NR + v * VW);
         for (int r = 0; r < mr; r++) {
-            float s = a[r * lda + k];
-            v8 av = {s, s, s, s, s, s, s, s};
-            acc[r][0] += av * b0;
-            acc[r][1] += av * b1;
+            vec av = (vec){0} + a[r * lda + k];
+            for (int v = 0; v < NV; v++) acc[r][v] += av * b[v];
         }
     }
-    for (int r = 0; r < mr; r++) {
-        store8(c + r * ldc, acc[r][0]);
-        store8(c + r * ldc + 8, acc[r][1]);
-    }
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < NV; v++) storev(c + r * ldc + v * VW, acc[r][v]);
 }
 
+#define TAIL(n) case n: tile(n, ar, lda, panel, hidden, cr, ldc); break;
 static void panel_gemm(const float *a, int64_t lda, int64_t rows, const float *panel,
                        int64_t hidden, float *c, int64_t ldc) {
     int64_t r = 0;
@@ -57,11 +62,10 @@ static void panel_gemm(const float *a, int64_t lda, int64_t rows, const float *p
     const float *ar = a + r * lda;
     float *cr = c + r * ldc;
     switch (rows - r) {
-        case 5: tile(5, ar, lda, panel, hidden, cr, ldc); break;
-        case 4: tile(4, ar, lda, panel, hidden, cr, ldc); break;
-        case 3: tile(3, ar, lda, panel, hidden, cr, ldc); break;
-        case 2: tile(2, ar, lda, panel, hidden, cr, ldc); break;
-        case 1: tile(1, ar, lda, panel, hidden, cr, ldc); break;
+        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5)
+#if MR > 6
+        TAIL(6) TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11) TAIL(12) TAIL(13) TAIL(14) TAIL(15)
+#endif
         default: break;
     }
 }

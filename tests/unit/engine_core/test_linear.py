@@ -3,6 +3,10 @@ nn.Linear swapped."""
 
 from __future__ import annotations
 
+import ctypes
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -60,7 +64,7 @@ def kernels() -> native.Kernels:
 
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, 16, PANEL_ROWS, PANEL_ROWS + 1, 100])
+@pytest.mark.parametrize("rows", [1, 5, 15, 16, 21, PANEL_ROWS, PANEL_ROWS + 1, 100])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decoder_linear_computes_what_the_linear_did(transposed: bool, bias: bool, rows: int,
                                                      threads: int) -> None:
@@ -77,6 +81,30 @@ def test_decoder_linear_computes_what_the_linear_did(transposed: bool, bias: boo
     got = DecoderLinear(wide, kernels(), pool)(x.view(1, rows, 48))
     assert got.shape == (1, rows, 37) and got.is_contiguous()
     torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_both_register_tiles_give_the_same_bits(tmp_path: Path) -> None:
+    """The AVX-512 build (16-row tiles) and the AVX2 one (6-row tiles) sum in the same order:
+    every row count up to two tiles and a tail gives identical products."""
+    compiler = native.find_compiler()
+    if compiler is None or b"avx512f" not in native._cpu_flags():
+        pytest.skip("needs a C compiler and an AVX-512 CPU to run both builds")
+    obj, lib = tmp_path / "k.o", tmp_path / "k.so"
+    subprocess.run([compiler, *native.FLAGS, "-mno-avx512f", "-c", str(native.SOURCE),
+                    "-o", str(obj)], check=True)
+    subprocess.run([compiler, "-shared", str(obj), "-o", str(lib), "-lm"], check=True)
+    avx2, avx512 = native.Kernels(ctypes.CDLL(str(lib))), kernels()
+    torch.manual_seed(0)
+    panels = native.pack_panels(torch.randn(96, 48))
+    for rows in range(1, 40):
+        x = torch.randn(rows, 96)
+        outs = []
+        for k in (avx2, avx512):
+            out = torch.empty(rows, 48)
+            k.panel_matmul(x.data_ptr(), 96, rows, 96, panels.data_ptr(), 0, 3,
+                           out.data_ptr(), 48)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), rows
 
 
 @pytest.mark.parametrize(("rows", "parts"), [(16, 3), (200, 6)])
