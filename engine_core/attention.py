@@ -3,9 +3,12 @@
 The step's metadata (`AttentionMetadata`) is built once per step with array ops and shared
 by every layer. Each layer writes the step's new K/V into its slots of the paged cache, then
 attends:
-- decodes (one query each) in one batched SDPA call over their contexts, gathered a whole
-  cache block at a time (index_select of whole blocks, much faster than gathering slot by
-  slot: docs/benchmarks.md) and padded to the longest with a mask;
+- decodes (one query each): on the CPU in float32 (the "native" backend), one call of the
+  compiled kernel (csrc/kernels.c `decode_attention`) that reads each row's context from the
+  paged cache in place, each row to its own length; elsewhere one batched SDPA call over
+  their contexts, gathered a whole cache block at a time (index_select of whole blocks, much
+  faster than gathering slot by slot: docs/benchmarks.md) and padded to the longest with a
+  mask;
 - prefill chunks one SDPA call each, causal with the chunk's offset in its sequence. A chunk
   that starts its sequence attends to the step's own K/V, with no gather at all; a later chunk
   (after a cached prefix, or a chunked prompt's next part) gathers its context's blocks.
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from engine_core import native
 
 
 @dataclass
@@ -38,18 +43,23 @@ class AttentionMetadata:
     block_size: int
     decode_rows: torch.Tensor  # [Bd] rows of the packed batch that are single-token decodes
     decode_blocks: torch.Tensor  # [Bd * nb] each decode's context blocks, padded with block 0
-    decode_mask: torch.Tensor  # [Bd, 1, 1, nb * block_size] bool
+    decode_context: torch.Tensor  # [Bd] int64: each decode's context length
+    # [Bd, 1, 1, nb * block_size] bool, for SDPA; None where `decode_kernels` run the decodes
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [slots, Hkv, D] each
+    decode_kernels: native.Kernels | None = None  # the compiled CPU kernels' decode attention
 
 
 def build_metadata(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndarray,
                    block_size: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                   device: torch.device) -> tuple[AttentionMetadata, np.ndarray]:
+                   device: torch.device, decode_kernels: native.Kernels | None = None
+                   ) -> tuple[AttentionMetadata, np.ndarray]:
     """Metadata for one step. Returns it with the positions of the packed tokens.
 
     starts[i], num_new[i]: request i computes positions [starts[i], starts[i] + num_new[i]).
-    block_table: [B, max_blocks] block ids (rows padded with 0).
+    block_table: [B, max_blocks] block ids (rows padded with 0). With `decode_kernels` (CPU,
+    float32) the decodes run on their compiled kernel.
     """
     offsets = np.cumsum(num_new) - num_new
     slot_mapping, positions = cache_slots(block_table, np.arange(len(starts)), starts, num_new,
@@ -59,8 +69,10 @@ def build_metadata(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndar
     dec = np.nonzero(is_decode)[0]
     ctx = starts[dec] + 1
     nblocks = -(-int(ctx.max()) // block_size) if len(dec) else 1
-    dec_blocks = block_table[dec, :nblocks]  # past a context: padding or spare, masked out
-    dec_mask = np.arange(nblocks * block_size)[None, :] < ctx[:, None]
+    # past a context: padding or spare, masked out (int64, as the compiled kernel reads them)
+    dec_blocks = block_table[dec, :nblocks].astype(np.int64)
+    dec_mask = (None if decode_kernels is not None else
+                torch.from_numpy(np.arange(nblocks * block_size)[None, :] < ctx[:, None]))
 
     prefills = []
     for i in np.nonzero(~is_decode)[0]:
@@ -79,9 +91,11 @@ def build_metadata(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndar
         block_size=block_size,
         decode_rows=torch.from_numpy(offsets[dec]).to(device),
         decode_blocks=torch.from_numpy(dec_blocks.reshape(-1)).to(device),
-        decode_mask=torch.from_numpy(dec_mask)[:, None, None, :].to(device),
+        decode_context=torch.from_numpy(ctx.astype(np.int64)).to(device),
+        decode_mask=None if dec_mask is None else dec_mask[:, None, None, :].to(device),
         prefills=prefills,
         kv_caches=kv_caches,
+        decode_kernels=decode_kernels,
     )
     return meta, positions
 
@@ -116,7 +130,10 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     out = torch.empty_like(q)
     blocks_k = k_cache.view(-1, meta.block_size, *k_cache.shape[1:])  # [blocks, bs, Hkv, D]
     blocks_v = v_cache.view(-1, meta.block_size, *v_cache.shape[1:])
-    if len(meta.decode_rows):
+    if len(meta.decode_rows) and meta.decode_kernels is not None:
+        out[meta.decode_rows] = _decode_in_place(meta, q[meta.decode_rows].contiguous(), k_cache,
+                                                 v_cache, scaling or q.shape[-1] ** -0.5)
+    elif len(meta.decode_rows):
         bd = len(meta.decode_rows)
         qd = q[meta.decode_rows].unsqueeze(2)  # [Bd, H, 1, D]
         kd = blocks_k.index_select(0, meta.decode_blocks).view(bd, -1, *k_cache.shape[1:])
@@ -138,3 +155,21 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                                             enable_gqa=True)
         out[chunk.rows] = op[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _decode_in_place(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """The decode rows' attention ([Bd, H, D] queries, contiguous) by the compiled kernel,
+    reading their contexts from the paged cache in place."""
+    assert meta.decode_kernels is not None and q.is_contiguous() and q.dtype == torch.float32
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    rows, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    ldt = meta.decode_blocks.shape[0] // rows
+    out = torch.empty_like(q)
+    scratch = torch.empty(heads // kv_heads * int(meta.decode_context.max()))
+    meta.decode_kernels.decode_attention(
+        q.data_ptr(), heads * dim, rows, k_cache.data_ptr(), v_cache.data_ptr(),
+        meta.decode_blocks.data_ptr(), ldt, meta.decode_context.data_ptr(), meta.block_size,
+        heads, kv_heads, dim, scale, out.data_ptr(), heads * dim, scratch.data_ptr())
+    return out

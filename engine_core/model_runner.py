@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from engine_core import attention, attention_cuda
+from engine_core import attention, attention_cuda, native
 from engine_core.chunk_pool import ChunkPool
 from engine_core.config import EngineConfig
 from engine_core.device_sampler import DeviceSampler, HeadWeights
@@ -40,6 +40,7 @@ from engine_core.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 ATTENTION_NAMES: dict[AttentionBackend, str] = {"portable": "tandem_paged",
+                                                "native": "tandem_paged",  # the same function
                                                 "cuda": "tandem_paged_cuda"}
 AttentionInterface.register(ATTENTION_NAMES["portable"], attention.paged_attention)
 AttentionInterface.register(ATTENTION_NAMES["cuda"], attention_cuda.cuda_paged_attention)
@@ -98,7 +99,7 @@ class ModelRunner:
                                         getattr(text, "final_logit_softcapping", None))
         self.facts = _model_facts(config, text)
         self.block_size = config.block_size
-        self._metadata = self._metadata_builder(platform.attention)
+        self._metadata = self._metadata_builder(platform.attention, platform.head_kernels)
         self.kv_shape = _kv_shape(text)
         self.kv_caches = self._allocate_kv(self._num_blocks(config, platform))
         log.info("model %s on %s/%s, %d KV blocks of %d tokens, %s attention, LM head on %s "
@@ -134,14 +135,16 @@ class ModelRunner:
                  torch.zeros(shape, dtype=self.dtype, device=self.device))
                 for _ in range(self.kv_shape.layers)]
 
-    def _metadata_builder(self, backend: AttentionBackend) -> MetadataBuilder:
+    def _metadata_builder(self, backend: AttentionBackend,
+                          cpu_kernels: native.Kernels | None) -> MetadataBuilder:
         block_size, link = self.block_size, self.link
         if backend == "cuda":
             kernels = attention_cuda.cuda_kernels()
             return lambda starts, num_new, table, caches: attention_cuda.build_metadata(
                 starts, num_new, table, block_size, caches, link, kernels)
+        decodes = cpu_kernels if backend == "native" else None
         return lambda starts, num_new, table, caches: attention.build_metadata(
-            starts, num_new, table, block_size, caches, link.device)
+            starts, num_new, table, block_size, caches, link.device, decodes)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, keep_rows: np.ndarray) -> torch.Tensor:

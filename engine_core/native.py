@@ -57,6 +57,11 @@ class Kernels:
         self.rotary = lib.rotary
         self.rotary.argtypes = [_P, _I, _I, _I, _I, _P, _P, _I]
         self.rotary.restype = None
+        # decode rows' attention over the paged KV cache, read in place (attention.py)
+        self.decode_attention = lib.decode_attention
+        self.decode_attention.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _F,
+                                          _P, _I, _P]
+        self.decode_attention.restype = None
 
 
 def pack_panels(weight_t: torch.Tensor) -> torch.Tensor:

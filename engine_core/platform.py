@@ -31,7 +31,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 CPU_KV_CACHE_BYTES = 2 << 30
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of the whole GPU
 LARGE_GPU_BYTES = 70 << 30  # vLLM's larger defaults from here (A100s excepted)
-AttentionBackend = Literal["portable", "cuda"]  # attention.py | attention_cuda.py
+# attention.py (torch ops; with its decodes on the compiled CPU kernel) | attention_cuda.py
+AttentionBackend = Literal["portable", "native", "cuda"]
 CPU_HEAD_CHUNK = 8192  # vocabulary columns per LM-head task on the CPU (fits the caches)
 
 
@@ -75,7 +76,7 @@ class Platform:
         compiler that builds them, TANDEM_CACHE the folder they are built into;
         TANDEM_LINEAR=transposed|torch fixes the decoder's linear layout instead of measuring
         it, TANDEM_PANELS=1|0 whether its decode steps run the compiled kernel (linear.py);
-        TANDEM_SAMPLER=device|cpu and TANDEM_ATTENTION=cuda|portable fix the sampler and
+        TANDEM_SAMPLER=device|cpu and TANDEM_ATTENTION=cuda|native|portable fix the sampler and
         the attention instead of the device's own (to compare them, or to fall back)."""
         env = os.environ if environ is None else environ
         device = resolve_device(config.device)
@@ -103,7 +104,7 @@ class Platform:
             fused_elementwise=_fused_elementwise(dtype, kernels, env),
             device_sampling=_choice(env, "TANDEM_SAMPLER", ("device", "cpu"),
                                     "device" if device.type == "cuda" else "cpu") == "device",
-            attention=attention_backend(device, dtype, env),
+            attention=attention_backend(device, dtype, env, kernels is not None),
             head_kernels=kernels,
         )
 
@@ -267,19 +268,24 @@ def _head_kernels(device: torch.device, env: Mapping[str, str]) -> native.Kernel
     return native.load(compiler, cache_root(env))
 
 
-def attention_backend(device: torch.device, dtype: torch.dtype,
-                      env: Mapping[str, str]) -> AttentionBackend:
+def attention_backend(device: torch.device, dtype: torch.dtype, env: Mapping[str, str],
+                      kernels: bool = False) -> AttentionBackend:
     """The CUDA kernels (attention_cuda.py) on a GPU in bf16 or fp16, FlashAttention's dtypes;
-    the portable torch path elsewhere (float32 on a GPU included). TANDEM_ATTENTION=cuda|portable
-    fixes it."""
+    on the CPU in float32 with the compiled kernels built (`kernels`), the portable path with
+    its decode rows read from the paged cache in place by the C kernel ("native"); the
+    portable torch path elsewhere (float32 on a GPU included). TANDEM_ATTENTION=cuda|native|
+    portable fixes it."""
     flash = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-    if _choice(env, "TANDEM_ATTENTION", ("cuda", "portable"),
-               "cuda" if flash else "portable") == "portable":
-        return "portable"
-    if not flash:
+    compiled = device.type == "cpu" and dtype == torch.float32 and kernels
+    choice = _choice(env, "TANDEM_ATTENTION", ("cuda", "native", "portable"),
+                     "cuda" if flash else "native" if compiled else "portable")
+    if choice == "cuda" and not flash:
         raise RuntimeError("TANDEM_ATTENTION=cuda needs a CUDA device and --dtype bfloat16 or "
                            "float16 (FlashAttention's)")
-    return "cuda"
+    if choice == "native" and not compiled:
+        raise RuntimeError("TANDEM_ATTENTION=native needs the CPU, float32 and the compiled "
+                           "CPU kernels (a C compiler, TANDEM_NATIVE not 0)")
+    return choice  # type: ignore[return-value]
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:

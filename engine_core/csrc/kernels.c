@@ -1,5 +1,5 @@
-/* CPU kernels for engine_core/lm_head.py and engine_core/linear.py, compiled on first use by
- * engine_core/native.py.
+/* CPU kernels for engine_core/lm_head.py, linear.py, fused.py and attention.py, compiled on
+ * first use by engine_core/native.py.
  *
  * The weights are pre-packed in 16-column panels ([panels][hidden][16], contiguous), so a GEMM
  * streams them sequentially, prefetching ahead; each panel (8 KB at hidden 128, 56 KB at 896)
@@ -16,6 +16,7 @@
  * time, each block reduced while it is still in L1/L2: its maximum and, for the rows that ask,
  * the sum of exp((logit - block max) * scale).
  * count_above: how many logits of each picked row exceed its threshold (rank - 1 of a token).
+ * decode_attention (at the end): decode rows' attention, reading the paged KV cache in place.
  */
 #include <math.h>
 #include <stdint.h>
@@ -163,5 +164,72 @@ void rotary(float *x, int64_t ldx, int64_t rows, int64_t heads, int64_t dim, con
                 b[i] = bi * c[half + i] + ai * s[half + i];
             }
         }
+    }
+}
+
+/* Attention of decode rows r < rows (one query each) over their contexts in the paged KV cache,
+ * read in place (engine_core/attention.py). q[r] is [heads][dim] (row stride ldq); the caches
+ * are [slots][kv_heads][dim]; row r's positions t < context[r] lie in slots
+ * table[r * ldt + t / block] * block + t % block. Heads share a KV head in groups of
+ * heads / kv_heads, so each key and value is read once per group. Per head: the scores
+ * q . k * scale, then softmax (max subtracted, float32 sums) and the weighted sum of the
+ * values, written to out[r] ([heads][dim], row stride ldo). scratch: at least
+ * (heads / kv_heads) * max(context) floats. The common head sizes (64, 128) are compiled as
+ * constants, which lets the compiler vectorise the dot products and sums whole. */
+static inline __attribute__((always_inline)) void attend(
+        const int64_t dim, const float *q, int64_t ldq, int64_t rows, const float *k_cache,
+        const float *v_cache, const int64_t *table, int64_t ldt, const int64_t *context,
+        int64_t block, int64_t heads, int64_t kv_heads, float scale, float *out, int64_t ldo,
+        float *scratch) {
+    int64_t group = heads / kv_heads, stride = kv_heads * dim;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t n = context[r];
+        const int64_t *blocks = table + r * ldt;
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const float *qg = q + r * ldq + g * group * dim;
+            float *og = out + r * ldo + g * group * dim;
+            for (int64_t t = 0; t < n; t++) {
+                const float *k = k_cache + (blocks[t / block] * block + t % block) * stride
+                                 + g * dim;
+                for (int64_t j = 0; j < group; j++) {
+                    const float *qj = qg + j * dim;
+                    float s = 0.0f;
+                    for (int64_t i = 0; i < dim; i++) s += qj[i] * k[i];
+                    scratch[j * n + t] = s * scale;
+                }
+            }
+            for (int64_t j = 0; j < group; j++) {
+                float *p = scratch + j * n, m = p[0], sum = 0.0f;
+                for (int64_t t = 1; t < n; t++) m = p[t] > m ? p[t] : m;
+                for (int64_t t = 0; t < n; t++) {
+                    p[t] = expf(p[t] - m);
+                    sum += p[t];
+                }
+                float inv = 1.0f / sum;
+                for (int64_t t = 0; t < n; t++) p[t] *= inv;
+                memset(og + j * dim, 0, dim * sizeof(float));
+            }
+            for (int64_t t = 0; t < n; t++) {
+                const float *v = v_cache + (blocks[t / block] * block + t % block) * stride
+                                 + g * dim;
+                for (int64_t j = 0; j < group; j++) {
+                    float w = scratch[j * n + t], *o = og + j * dim;
+                    for (int64_t i = 0; i < dim; i++) o[i] += w * v[i];
+                }
+            }
+        }
+    }
+}
+
+void decode_attention(const float *q, int64_t ldq, int64_t rows, const float *k_cache,
+                      const float *v_cache, const int64_t *table, int64_t ldt,
+                      const int64_t *context, int64_t block, int64_t heads, int64_t kv_heads,
+                      int64_t dim, float scale, float *out, int64_t ldo, float *scratch) {
+#define ATTEND(d) attend(d, q, ldq, rows, k_cache, v_cache, table, ldt, context, block, heads, \
+                         kv_heads, scale, out, ldo, scratch)
+    switch (dim) {
+        case 64: ATTEND(64); break;
+        case 128: ATTEND(128); break;
+        default: ATTEND(dim); break;
     }
 }

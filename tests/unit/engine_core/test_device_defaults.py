@@ -49,6 +49,15 @@ def test_attention_backend_by_device_dtype_and_variable():
             attention_backend(device, dtype, {"TANDEM_ATTENTION": "cuda"})
     with pytest.raises(ValueError, match="TANDEM_ATTENTION"):
         attention_backend(CUDA, bf16, {"TANDEM_ATTENTION": "flash"})
+    # the CPU's decodes on the compiled kernel: float32, with the kernels built
+    assert attention_backend(CPU, fp32, {}, kernels=True) == "native"
+    assert attention_backend(CPU, bf16, {}, kernels=True) == "portable"
+    assert attention_backend(CUDA, fp32, {}, kernels=True) == "portable"
+    assert attention_backend(CPU, fp32, {"TANDEM_ATTENTION": "portable"}, kernels=True) == \
+        "portable"
+    for device, dtype, built in ((CPU, fp32, False), (CPU, bf16, True), (CUDA, bf16, True)):
+        with pytest.raises(RuntimeError, match="TANDEM_ATTENTION=native"):
+            attention_backend(device, dtype, {"TANDEM_ATTENTION": "native"}, kernels=built)
 
 
 def test_kv_budget_is_what_the_utilization_leaves():
