@@ -12,7 +12,7 @@ linear layers"):
   (`DecoderLinear`: at most PANEL_ROWS rows go to the kernel) when one pass over the real
   decoder's weights measures faster that way (`panels_are_faster`) and memory holds the copy.
 - the threads: on a small box torch runs on one thread and a step that the ThreadPolicy gives
-  more shares each product out over a ChunkPool, by panels or by rows, a part at a time taken
+  more shares each product out over a ChunkPool, by panels, columns or rows, a part at a time taken
   on demand, so a core a frontend holds delays one part, not every product.
 The LM head has its own kernels (lm_head.py) and is left alone.
 """
@@ -37,9 +37,16 @@ PROBE_ROWS = 16  # a decode step's rows
 PROBE_SHAPE = (1024, 4096)  # (in, out): an MLP projection of a small served model
 MARGIN = 0.9  # a layout or kernel must be at least 10% faster to be chosen
 PANEL_ROWS = 32  # rows up to which the panel kernel streams faster than BLAS (benchmarks.md)
-PARTS_PER_WORKER = 4  # parts of a product per thread, when a step runs on several
+PARTS_PER_WORKER = 4  # parts of a product per thread at most, when a step runs on several
 MIN_PART_PANELS = 16  # panels (256 columns) per part at least
-MIN_PART_ROWS = 32  # rows per part at least
+MIN_SHARED_ROWS = 32  # rows from which a product without panels is shared out at all
+# A product shared by rows streams the whole weight once per part, so few rows are shared by
+# columns instead (each thread streams its share), and by rows in one part per thread unless
+# every part can have MIN_PART_ROWS: on the 0.5B shape, two threads, 64 rows by columns 276 ms
+# a pass against 546 by rows; 144 rows in two parts by rows 466 against 638 in four and 556 by
+# columns (docs/benchmarks.md).
+COLUMNS_BELOW = 128
+MIN_PART_ROWS = 256
 
 
 class TransposedLinear(nn.Module):
@@ -146,8 +153,8 @@ class DecoderLinear(nn.Module):
             return self.wide(x)
         if self.panels is not None and rows.shape[0] <= PANEL_ROWS:
             out = self._by_panels(rows.contiguous())
-        elif self.pool.active > 1 and rows.shape[0] >= 2 * MIN_PART_ROWS:
-            out = self._by_rows(rows.contiguous())
+        elif self.pool.active > 1 and rows.shape[0] >= MIN_SHARED_ROWS:
+            out = self._shared(rows.contiguous())
         else:
             return self.wide(x)
         return out.view(*x.shape[:-1], self.out_features)
@@ -174,19 +181,30 @@ class DecoderLinear(nn.Module):
             out += self.bias
         return out
 
-    def _by_rows(self, rows: torch.Tensor) -> torch.Tensor:
+    def _shared(self, rows: torch.Tensor) -> torch.Tensor:
+        """The product shared out over the pool: with fewer than COLUMNS_BELOW rows by
+        columns, a part per thread; else by rows, a part per thread, or up to PARTS_PER_WORKER
+        per thread where each still has MIN_PART_ROWS."""
         weight_t, bias = _weight_t(self.wide), self.bias
-        n = rows.shape[0]
-        out = torch.empty(n, self.out_features, dtype=rows.dtype)
-        parts = min(PARTS_PER_WORKER * self.pool.active, n // MIN_PART_ROWS)
+        n, width, active = rows.shape[0], self.out_features, self.pool.active
+        out = torch.empty(n, width, dtype=rows.dtype)
+        if n >= COLUMNS_BELOW:
+            parts = active * max(1, min(PARTS_PER_WORKER, n // (active * MIN_PART_ROWS)))
 
-        def part(i: int) -> None:
-            a, b = i * n // parts, (i + 1) * n // parts
-            if bias is None:
-                torch.mm(rows[a:b], weight_t, out=out[a:b])
-            else:
-                torch.addmm(bias, rows[a:b], weight_t, out=out[a:b])
+            def part(i: int) -> None:
+                a, b = i * n // parts, (i + 1) * n // parts
+                if bias is None:
+                    torch.mm(rows[a:b], weight_t, out=out[a:b])
+                else:
+                    torch.addmm(bias, rows[a:b], weight_t, out=out[a:b])
+        else:
+            parts = active
 
+            def part(i: int) -> None:
+                a, b = i * width // parts, (i + 1) * width // parts
+                w = weight_t[:, a:b]
+                out[:, a:b] = torch.mm(rows, w) if bias is None else torch.addmm(bias[a:b],
+                                                                                  rows, w)
         self.pool.map(part, parts)
         return out
 

@@ -64,13 +64,14 @@ def kernels() -> native.Kernels:
 
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, 15, 16, 21, PANEL_ROWS, PANEL_ROWS + 1, 100])
+@pytest.mark.parametrize("rows", [1, 5, 15, 16, 21, PANEL_ROWS, PANEL_ROWS + 1, 100, 130])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decoder_linear_computes_what_the_linear_did(transposed: bool, bias: bool, rows: int,
                                                      threads: int) -> None:
     """At most PANEL_ROWS rows through the compiled kernel, more through the layer itself,
-    shared by rows over the pool when the step has threads; an output width that is not a
-    whole number of panels (37) is cut back to size."""
+    shared over the pool when the step has threads (by columns below COLUMNS_BELOW rows, by
+    rows from there); an output width that is not a whole number of panels (37) is cut back
+    to size."""
     torch.manual_seed(0)
     linear = nn.Linear(48, 37, bias=bias)
     x = torch.randn(rows, 48)
@@ -107,10 +108,11 @@ def test_both_register_tiles_give_the_same_bits(tmp_path: Path) -> None:
         assert torch.equal(outs[0], outs[1]), rows
 
 
-@pytest.mark.parametrize(("rows", "parts"), [(16, 3), (200, 6)])
+@pytest.mark.parametrize(("rows", "parts"), [(16, 3), (64, 2), (200, 2), (1100, 4)])
 def test_a_step_with_threads_shares_the_products_out(rows: int, parts: int) -> None:
-    """16 rows: the kernel's 63 panels in parts of at least 16; 200 rows: parts of at least 32
-    rows, 4 per thread at most; one thread: no sharing at all."""
+    """16 rows: the kernel's 63 panels in parts of at least 16; 64 rows: by columns, a part a
+    thread; 200: by rows, a part a thread; 1100: by rows, more parts of at least 256 rows;
+    one thread: no sharing at all."""
     torch.manual_seed(0)
     linear = nn.Linear(64, 1000)
     x = torch.randn(rows, 64)
