@@ -60,9 +60,11 @@ class ThreadPolicy:
     def choose(self, tokens: int) -> int:
         size = self._size(tokens)
         size.steps += 1
-        for n, arm in size.arms.items():
-            if arm.steps < WARMUP:
-                return n
+        # Warming up, the counts take turns (the least measured first), so a phase of the
+        # load (a burst of arrivals, a busy frontend) weighs on each alike.
+        fewest = min(size.arms, key=lambda n: size.arms[n].steps)
+        if size.arms[fewest].steps < WARMUP:
+            return fewest
         best = self._best(size)
         for n, arm in size.arms.items():
             if n != best and size.steps % self._explore_every(arm, size.arms[best]) == 0:
