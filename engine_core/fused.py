@@ -51,17 +51,20 @@ class ElementwiseOps:
         """`norm(x + residual)`; the sum is left in `x` (the residual stream from here)."""
         return self._norm(x, residual, norm)
 
-    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """`silu(gate) * up`, written into `gate`."""
-        self.kernels.silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), gate.data_ptr())
-        return gate
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`silu(gate) * up` [rows, n] of gate_up [rows, 2n], gate then up side by side."""
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, width, dtype=gate_up.dtype)
+        self.kernels.silu_mul(gate_up.data_ptr(), rows, width, out.data_ptr())
+        return out
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                head_dim: int) -> torch.Tensor:
-        """transformers' `apply_rotary_pos_emb` on x [rows, heads * head_dim] with cos and
-        sin [rows, head_dim], in place."""
+        """transformers' `apply_rotary_pos_emb` on x [rows, heads * head_dim] (rows may be
+        strided: columns of a wider tensor) with cos and sin [rows, head_dim], in place."""
         rows, width = x.shape
-        self.kernels.rotary(x.data_ptr(), width, rows, width // head_dim, head_dim,
+        assert x.stride(1) == 1
+        self.kernels.rotary(x.data_ptr(), x.stride(0), rows, width // head_dim, head_dim,
                             cos.data_ptr(), sin.data_ptr(), head_dim)
         return x
 
@@ -87,11 +90,18 @@ class FusedDecoderLayer(nn.Module):
 
     def __init__(self, layer: Any, ops: ElementwiseOps) -> None:
         super().__init__()
-        self.self_attn = layer.self_attn
-        self.mlp = layer.mlp
+        self.self_attn = attn = layer.self_attn
+        self.mlp = mlp = layer.mlp
         self.input_layernorm = layer.input_layernorm
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.ops = ops
+        # The projections of one input merged into one product each (one pass over the
+        # input, one hand-off to the threads): the originals leave the modules, their weights
+        # now the merged ones' parts.
+        self.widths = (attn.q_proj.out_features, attn.k_proj.out_features)
+        self.qkv_proj = merge_linears(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.gate_up_proj = merge_linears(mlp.gate_proj, mlp.up_proj)
+        attn.q_proj = attn.k_proj = attn.v_proj = mlp.gate_proj = mlp.up_proj = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -102,9 +112,7 @@ class FusedDecoderLayer(nn.Module):
         h = self.ops.rms_norm(x, self.input_layernorm)
         attended = self._attention(h, lead, position_embeddings, attention_mask, kwargs)
         h = self.ops.add_rms_norm(attended, x, self.post_attention_layernorm)
-        mlp = self.mlp
-        out = mlp.down_proj(self.ops.silu_mul(mlp.gate_proj(h).contiguous(),
-                                              mlp.up_proj(h).contiguous()))
+        out = self.mlp.down_proj(self.ops.silu_mul(self.gate_up_proj(h)))
         return out.add_(attended).view(*lead, width)
 
     def _attention(self, h: torch.Tensor, lead: torch.Size,
@@ -116,9 +124,11 @@ class FusedDecoderLayer(nn.Module):
         rows, dim = h.shape[0], attn.head_dim
         cos, sin = (t.expand(*lead, dim).reshape(rows, dim).contiguous()
                     for t in position_embeddings)
-        q = self.ops.rotary(attn.q_proj(h).contiguous(), cos, sin, dim)
-        k = self.ops.rotary(attn.k_proj(h).contiguous(), cos, sin, dim)
-        v = attn.v_proj(h)
+        qkv = self.qkv_proj(h)
+        q_width, k_width = self.widths
+        q = self.ops.rotary(qkv[:, :q_width], cos, sin, dim)
+        k = self.ops.rotary(qkv[:, q_width:q_width + k_width], cos, sin, dim)
+        v = qkv[:, q_width + k_width:]
         query, key, value = (t.view(*lead, -1, dim).transpose(1, 2) for t in (q, k, v))
         kwargs = {name: arg for name, arg in kwargs.items() if name != "cache"}
         if hasattr(attn, "sliding_window"):  # Qwen2 passes it on; Llama has none
@@ -163,12 +173,33 @@ def fuse_decoder(decoder: nn.Module, ops: ElementwiseOps) -> int:
 
 
 def fusable(layer: Any) -> bool:
-    """A Llama or Qwen2 layer, exactly, in float32, with a SiLU MLP."""
+    """A Llama or Qwen2 layer, exactly, in float32, with a SiLU MLP and plain linear
+    projections (which it merges)."""
     if type(layer) not in FUSABLE_LAYERS:
         return False
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
     return (all(type(n) in FUSABLE_NORMS and _float32(n) for n in norms)
-            and type(layer.mlp.act_fn) is SiLUActivation)
+            and type(mlp.act_fn) is SiLUActivation
+            and all(type(p) is nn.Linear for p in projections))
+
+
+def merge_linears(*linears: nn.Linear) -> nn.Linear:
+    """One nn.Linear whose output is the given ones' side by side, for the same input: their
+    weights (and biases, zeros where one has none) stacked by output. Each output is the same
+    dot product as before."""
+    first = linears[0]
+    merged = nn.Linear(first.in_features, sum(x.out_features for x in linears),
+                       bias=any(x.bias is not None for x in linears),
+                       device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        merged.weight.copy_(torch.cat([x.weight for x in linears]))
+        if merged.bias is not None:
+            merged.bias.copy_(torch.cat([x.bias if x.bias is not None
+                                         else torch.zeros(x.out_features, dtype=x.weight.dtype)
+                                         for x in linears]))
+    return merged.requires_grad_(False)
 
 
 def _float32(norm: Any) -> bool:

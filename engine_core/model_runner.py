@@ -84,10 +84,11 @@ class ModelRunner:
         self.decoder = self.model.get_decoder()
         workers = platform.linear_workers
         self.linear_pool = None if workers is None else ChunkPool(workers, "linears")
+        fused = (fuse_decoder(self.decoder, ElementwiseOps(platform.head_kernels))
+                 if platform.fused_elementwise and platform.head_kernels is not None else 0)
         linears = prepare_linears(self.decoder, platform.transposed_linears,
                                   platform.head_kernels, platform.decoder_panels, self.linear_pool)
-        if platform.fused_elementwise and platform.head_kernels is not None:
-            fused = fuse_decoder(self.decoder, ElementwiseOps(platform.head_kernels))
+        if fused:  # (before the linears are prepared: it merges some of them)
             linears += f"; elementwise work fused in {fused} layers"
         text = _text_config(hf_config)
         lm_head = self.model.get_output_embeddings()

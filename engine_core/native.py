@@ -52,7 +52,7 @@ class Kernels:
         self.rms_norm.argtypes = [_P, _P, _P, _F, _I, _I, _P]
         self.rms_norm.restype = None
         self.silu_mul = lib.silu_mul
-        self.silu_mul.argtypes = [_P, _P, _I, _P]
+        self.silu_mul.argtypes = [_P, _I, _I, _P]
         self.silu_mul.restype = None
         self.rotary = lib.rotary
         self.rotary.argtypes = [_P, _I, _I, _I, _I, _P, _P, _I]

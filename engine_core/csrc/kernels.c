@@ -140,11 +140,16 @@ void rms_norm(float *x, const float *res, const float *w, float eps, int64_t row
     }
 }
 
-/* out = silu(gate) * up, elementwise over count floats */
-void silu_mul(const float *gate, const float *up, int64_t count, float *out) {
-    for (int64_t i = 0; i < count; i++) {
-        float g = gate[i];
-        out[i] = g / (1.0f + expf(-g)) * up[i];
+/* out[r] = silu(gate) * up for rows r < rows, where x[r] ([2 * width]) is gate then up side
+ * by side (the merged gate-up projection's output) and out[r] is [width] */
+void silu_mul(const float *x, int64_t rows, int64_t width, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = x + r * 2 * width, *up = gate + width;
+        float *o = out + r * width;
+        for (int64_t i = 0; i < width; i++) {
+            float g = gate[i];
+            o[i] = g / (1.0f + expf(-g)) * up[i];
+        }
     }
 }
 

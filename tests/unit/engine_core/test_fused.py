@@ -13,7 +13,13 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from engine_core.config import EngineConfig
-from engine_core.fused import ElementwiseOps, FusedDecoderLayer, FusedRMSNorm, fuse_decoder
+from engine_core.fused import (
+    ElementwiseOps,
+    FusedDecoderLayer,
+    FusedRMSNorm,
+    fuse_decoder,
+    merge_linears,
+)
 from engine_core.platform import Platform
 from tests.unit.engine_core.heads import engine_kernels
 
@@ -53,13 +59,24 @@ def test_add_rms_norm_leaves_the_sum_in_place(ops):
     assert torch.equal(x, total) and torch.equal(residual, kept)
 
 
-def test_silu_mul_into_gate(ops):
+def test_silu_mul_of_gate_and_up_side_by_side(ops):
     g = torch.Generator().manual_seed(2)
     gate, up = torch.randn(5, 333, generator=g) * 8, torch.randn(5, 333, generator=g)
     expected = torch.nn.functional.silu(gate) * up
-    out = ops.silu_mul(gate, up)
-    assert out.data_ptr() == gate.data_ptr()
+    out = ops.silu_mul(torch.cat([gate, up], dim=1))
+    assert out.shape == (5, 333)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_merged_linears_give_each_ones_output_side_by_side():
+    g = torch.Generator().manual_seed(3)
+    with_bias, without = torch.nn.Linear(24, 10), torch.nn.Linear(24, 6, bias=False)
+    x = torch.randn(7, 24, generator=g)
+    merged = merge_linears(with_bias, without)
+    assert (merged.in_features, merged.out_features) == (24, 16)
+    out = merged(x)
+    torch.testing.assert_close(out[:, :10], with_bias(x), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[:, 10:], without(x), rtol=1e-6, atol=1e-6)
 
 
 def test_rotary_as_transformers(ops):
@@ -73,8 +90,10 @@ def test_rotary_as_transformers(ops):
     q_ref, k_ref = apply_rotary_pos_emb(q.view(1, rows, heads, dim).transpose(1, 2),
                                         k.view(1, rows, kv_heads, dim).transpose(1, 2),
                                         cos[None], sin[None])
-    ops.rotary(q, cos, sin, dim)
-    ops.rotary(k, cos, sin, dim)
+    qk = torch.cat([q, k], dim=1)  # as the merged projection leaves them: side by side
+    ops.rotary(qk[:, :heads * dim], cos, sin, dim)
+    ops.rotary(qk[:, heads * dim:], cos, sin, dim)
+    q, k = qk[:, :heads * dim], qk[:, heads * dim:]
     torch.testing.assert_close(q.view(1, rows, heads, dim).transpose(1, 2), q_ref,
                                rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k.view(1, rows, kv_heads, dim).transpose(1, 2), k_ref,
