@@ -6,7 +6,10 @@ dispatch. `fuse_decoder` swaps each such layer for a `FusedDecoderLayer` that ru
 sublayers (the projections, whatever linear.py made of them, and the platform's attention
 function) with that work done by `ElementwiseOps`: one pass per RMSNorm with the residual
 add folded in, one for SiLU × up, one per rotary application, in place where the tensor is
-the layer's own. The arithmetic is the modules' own, in the same order, in float32; only
+the layer's own. The projections that read the same input run as one product each (q, k
+and v; gate and up: `merge_linears`, done before linear.py prepares them), so a decode step
+hands each layer's products to the threads four times, not seven. The arithmetic is the
+modules' own, in the same order, in float32; only
 RMSNorm's sum (vectorised) and the vector expf of the kernels' -ffast-math build differ from
 torch's, in the last bits (HF parity holds: tests/engine/test_fused_parity.py).
 
