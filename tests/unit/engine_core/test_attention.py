@@ -9,16 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_core import default_model, native
 from engine_core.attention import build_metadata, paged_attention
-
-
-def kernels() -> native.Kernels:
-    compiler = native.find_compiler()
-    loaded = native.load(compiler, default_model.cache_root()) if compiler else None
-    if loaded is None:
-        pytest.skip("no C compiler here")
-    return loaded
+from tests.unit.engine_core.heads import kernels_or_skip
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"),
@@ -40,7 +32,7 @@ def test_decodes_in_place_match_the_gathered_path(heads: int, kv_heads: int, dim
     query = torch.randn(1, heads, tokens, dim)
     key, value = torch.randn(1, kv_heads, tokens, dim), torch.randn(1, kv_heads, tokens, dim)
     outs, caches = [], []
-    for compiled in (None, kernels()):
+    for compiled in (None, kernels_or_skip()):
         generator = torch.Generator().manual_seed(1)  # the same earlier context in both
         slots = (len(starts) * width + 1) * block_size
         cache = [(torch.randn(slots, kv_heads, dim, generator=generator),
@@ -73,7 +65,7 @@ def test_a_decode_reads_only_its_own_context() -> None:
             k_or_v[3 * block_size + 2:] += poison  # row 1's block 3 past its context of 2
             k_or_v[:block_size] += poison  # block 0, nobody's
         meta, _ = build_metadata(starts, num_new, table, block_size, cache,
-                                 torch.device("cpu"), kernels())
+                                 torch.device("cpu"), kernels_or_skip())
         outs.append(paged_attention(SimpleNamespace(layer_idx=0), query, key, value, None,
                                     scaling=0.5, tandem_meta=meta)[0])
     assert torch.equal(outs[0], outs[1])

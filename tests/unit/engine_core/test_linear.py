@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine_core import default_model, native
+from engine_core import native
 from engine_core.chunk_pool import ChunkPool
 from engine_core.config import EngineConfig
 from engine_core.linear import (
@@ -23,6 +23,7 @@ from engine_core.linear import (
     transposed_is_faster,
 )
 from engine_core.platform import Platform
+from tests.unit.engine_core.heads import kernels_or_skip
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -54,14 +55,6 @@ def test_the_measurement_answers_and_the_environment_overrides_it() -> None:
     assert not Platform.detect(config, {"TANDEM_LINEAR": "torch"}).transposed_linears
 
 
-def kernels() -> native.Kernels:
-    compiler = native.find_compiler()
-    loaded = native.load(compiler, default_model.cache_root()) if compiler else None
-    if loaded is None:
-        pytest.skip("no C compiler here")
-    return loaded
-
-
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 15, 16, 21, PANEL_ROWS, PANEL_ROWS + 1, 100, 130])
@@ -79,7 +72,7 @@ def test_decoder_linear_computes_what_the_linear_did(transposed: bool, bias: boo
     wide = TransposedLinear(linear) if transposed else linear
     pool = ChunkPool(2)
     pool.use(threads)
-    got = DecoderLinear(wide, kernels(), pool)(x.view(1, rows, 48))
+    got = DecoderLinear(wide, kernels_or_skip(), pool)(x.view(1, rows, 48))
     assert got.shape == (1, rows, 37) and got.is_contiguous()
     torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
 
@@ -94,7 +87,7 @@ def test_both_register_tiles_give_the_same_bits(tmp_path: Path) -> None:
     subprocess.run([compiler, *native.FLAGS, "-mno-avx512f", "-c", str(native.SOURCE),
                     "-o", str(obj)], check=True)
     subprocess.run([compiler, "-shared", str(obj), "-o", str(lib), "-lm"], check=True)
-    avx2, avx512 = native.Kernels(ctypes.CDLL(str(lib))), kernels()
+    avx2, avx512 = native.Kernels(ctypes.CDLL(str(lib))), kernels_or_skip()
     torch.manual_seed(0)
     panels = native.pack_panels(torch.randn(96, 48))
     for rows in range(1, 40):
@@ -120,7 +113,7 @@ def test_a_step_with_threads_shares_the_products_out(rows: int, parts: int) -> N
     pool = ChunkPool(2)
     real_map = pool.map
     pool.map = lambda fn, n: calls.append(n) or real_map(fn, n)  # type: ignore[method-assign]
-    layer = DecoderLinear(linear, kernels(), pool)
+    layer = DecoderLinear(linear, kernels_or_skip(), pool)
     pool.use(2)
     torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
     pool.use(1)
@@ -136,16 +129,16 @@ def test_prepare_wraps_every_float32_linear_and_drops_panels_when_told() -> None
         return [x for x in m.modules() if isinstance(x, DecoderLinear)]
 
     forced = model()
-    said = prepare_linears(forced, True, kernels(), True, ChunkPool(2))
+    said = prepare_linears(forced, True, kernels_or_skip(), True, ChunkPool(2))
     kinds = [type(m).__name__ for m in forced.modules()]
     assert kinds.count("DecoderLinear") == 2 and kinds.count("TransposedLinear") == 2
     assert "packed panels" in said and "2 threads" in said
     assert all(x.panels is not None for x in layers(forced))
     off = model()
-    assert "panels" not in prepare_linears(off, False, kernels(), False, ChunkPool(1))
+    assert "panels" not in prepare_linears(off, False, kernels_or_skip(), False, ChunkPool(1))
     assert len(layers(off)) == 2 and all(x.panels is None for x in layers(off))
     measured = model()
-    said = prepare_linears(measured, False, kernels(), None, ChunkPool(1))
+    said = prepare_linears(measured, False, kernels_or_skip(), None, ChunkPool(1))
     assert all((x.panels is not None) == ("panels" in said) for x in layers(measured))
     gpu = model()
     assert prepare_linears(gpu, False, None, False, None) == "torch's [out, in]"
@@ -157,7 +150,7 @@ def test_panels_are_off_without_kernels_or_float32_and_follow_the_environment() 
     assert Platform.detect(config, {"TANDEM_NATIVE": "0"}).decoder_panels is False
     bf16 = EngineConfig(model="unused", device="cpu", dtype="bfloat16")
     assert Platform.detect(bf16, {}).decoder_panels is False
-    kernels()  # skips without a compiler
+    kernels_or_skip()  # skips without a compiler
     assert Platform.detect(config, {}).decoder_panels is None  # measured on the model
     assert Platform.detect(config, {"TANDEM_PANELS": "1"}).decoder_panels is True
     assert Platform.detect(config, {"TANDEM_PANELS": "0"}).decoder_panels is False
