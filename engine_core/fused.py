@@ -9,9 +9,9 @@ add folded in, one for SiLU × up, one per rotary application, in place where th
 the layer's own. The projections that read the same input run as one product each (q, k
 and v; gate and up: `merge_linears`, done before linear.py prepares them), so a decode step
 hands each layer's products to the threads four times, not seven. The arithmetic is the
-modules' own, in the same order, in float32; only
-RMSNorm's sum (vectorised) and the vector expf of the kernels' -ffast-math build differ from
-torch's, in the last bits (HF parity holds: tests/engine/test_fused_parity.py).
+modules' own, in the same order, in float32; only RMSNorm's sum (vectorised) and the vector
+expf of the kernels' -ffast-math build differ from torch's, in the last bits (HF parity
+holds: tests/engine/test_fused_parity.py).
 
 The kernels are csrc/kernels.c's, built with the LM head's (native.py): nothing to compile
 at start-up beyond them. torch.compile (inductor) was measured against them and lost:
@@ -56,6 +56,7 @@ class ElementwiseOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`silu(gate) * up` [rows, n] of gate_up [rows, 2n], gate then up side by side."""
+        assert gate_up.is_contiguous()
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, width, dtype=gate_up.dtype)
         self.kernels.silu_mul(gate_up.data_ptr(), rows, width, out.data_ptr())

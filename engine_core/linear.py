@@ -12,8 +12,8 @@ linear layers"):
   (`DecoderLinear`: at most PANEL_ROWS rows go to the kernel) when one pass over the real
   decoder's weights measures faster that way (`panels_are_faster`) and memory holds the copy.
 - the threads: on a small box torch runs on one thread and a step that the ThreadPolicy gives
-  more shares each product out over a ChunkPool, by panels, columns or rows, a part at a time taken
-  on demand, so a core a frontend holds delays one part, not every product.
+  more shares each product out over a ChunkPool, by panels, columns or rows, a part at a
+  time taken on demand, so a core a frontend holds delays one part, not every product.
 The LM head has its own kernels (lm_head.py) and is left alone.
 """
 
