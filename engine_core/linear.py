@@ -42,9 +42,9 @@ MIN_PART_PANELS = 16  # panels (256 columns) per part at least
 MIN_SHARED_ROWS = 32  # rows from which a product without panels is shared out at all
 # A product shared by rows streams the whole weight once per part, so few rows are shared by
 # columns instead (each thread streams its share), and by rows in one part per thread unless
-# every part can have MIN_PART_ROWS: on the 0.5B shape, two threads, 64 rows by columns 276 ms
-# a pass against 546 by rows; 144 rows in two parts by rows 466 against 638 in four and 556 by
-# columns (docs/benchmarks.md).
+# every part can have MIN_PART_ROWS: on the 0.5B shape, two threads, a pass over the decoder's
+# products of 64 rows by columns 287 ms against 537 by rows in parts of 32; of 144 rows by rows
+# a part a thread 415 against 930 in four parts (docs/benchmarks.md).
 COLUMNS_BELOW = 128
 MIN_PART_ROWS = 256
 

@@ -84,11 +84,12 @@ class ModelRunner:
         self.decoder = self.model.get_decoder()
         workers = platform.linear_workers
         self.linear_pool = None if workers is None else ChunkPool(workers, "linears")
+        # fused before the linears are prepared: it merges some of them
         fused = (fuse_decoder(self.decoder, ElementwiseOps(platform.head_kernels))
                  if platform.fused_elementwise and platform.head_kernels is not None else 0)
         linears = prepare_linears(self.decoder, platform.transposed_linears,
                                   platform.head_kernels, platform.decoder_panels, self.linear_pool)
-        if fused:  # (before the linears are prepared: it merges some of them)
+        if fused:
             linears += f"; elementwise work fused in {fused} layers"
         text = _text_config(hf_config)
         lm_head = self.model.get_output_embeddings()

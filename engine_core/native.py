@@ -1,5 +1,5 @@
-"""The CPU kernels of the LM head, the decoder's linears and its elementwise work
-(csrc/kernels.c), compiled on first use and loaded with ctypes.
+"""The CPU kernels of the LM head, the decoder's linears, its elementwise work and its decode
+attention (csrc/kernels.c), compiled on first use and loaded with ctypes.
 
 Compiled on the machine that runs them, with -march=native, into a cache folder under a name
 that hashes the source, the compiler command and this CPU's feature flags, so a shared home
