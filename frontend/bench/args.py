@@ -26,6 +26,7 @@ ENDPOINTS = {
 }
 DATASET_NAMES = ("random", "sharegpt", "custom", "prefix_repetition", "prefix-repetition")
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p")
+SETTLE_S = 2.0  # --settle's default with --compare (BenchConfig.settle_s)
 T = TypeVar("T")
 
 
@@ -177,6 +178,9 @@ def add_comparison(group: argparse._ArgumentGroup) -> None:
     add("--rounds", type=int, default=1, help="rounds per target, alternating A, B, A, B")
     add("--warmup", "--num-warmups", type=int,
         help="unmeasured requests per target (default: 2 with --compare)")
+    add("--settle", type=float, metavar="SECONDS",
+        help="quiet before each round, so that a server still busy after its own round or "
+             "warm-up does not slow the next one (default: 2 with --compare, else 0)")
 
 
 def endpoint(value: str) -> str:
@@ -225,6 +229,8 @@ def check_args(args: argparse.Namespace, dataset: DatasetConfig) -> None:
         raise ValueError(f"--dataset-name {dataset.name} makes its prompts: drop --dataset-path")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
+    if args.settle is not None and not 0 <= args.settle < math.inf:
+        raise ValueError("--settle must be a number of seconds, 0 or more")
     lengths = [dataset.random_output_len, dataset.prefix_repetition_output_len,
                dataset.sharegpt_output_len or 1, dataset.custom_output_len or 1]
     if min(lengths) < 1 or dataset.random_input_len < 0 or dataset.random_prefix_len < 0:
@@ -255,6 +261,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.compare:
         compare = Target(args.compare, args.compare_model, args.compare_api_key, label="B")
     warmup = args.warmup if args.warmup is not None else (2 if compare else 0)
+    settle = args.settle if args.settle is not None else (SETTLE_S if compare else 0.0)
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else dataset.name == "random"
     return BenchConfig(
         target=Target(args.base_url, args.model, args.api_key, label="A"),
@@ -276,6 +283,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         compare=compare,
         rounds=args.rounds,
         warmup=warmup,
+        settle_s=settle,
         request_timeout_s=args.request_timeout,
         disable_tqdm=args.disable_tqdm,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from itertools import groupby
@@ -18,7 +19,14 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from engine_core.default_model import DEFAULT, write_tokenizer
-from frontend.bench import BenchConfig, DatasetConfig, Target, run_benchmark, run_comparison
+from frontend.bench import (
+    BenchConfig,
+    DatasetConfig,
+    Target,
+    round_seed,
+    run_benchmark,
+    run_comparison,
+)
 from frontend.bench.__main__ import main, serve
 from frontend.bench.client import RequestOptions, fetch_model_id, send_request
 from frontend.bench.metrics import itls, output_tokens, ttft
@@ -252,12 +260,17 @@ async def test_comparison_alternates_with_the_same_prompts(
     log: list[str] = []
     a, b = Fake(tokenizer_path=tokenizer_dir), Fake(label="B")
     url_a, url_b = await start(a, log), await start(b, log)
-    cfg = config(url_a, compare=Target(url_b, label="B"), rounds=2, warmup=2)
+    cfg = config(url_a, compare=Target(url_b, label="B"), rounds=2, warmup=2, settle_s=0.2)
+    started = time.perf_counter()
     result_a, result_b = await run_comparison(cfg)
+    assert time.perf_counter() - started >= 4 * 0.2  # quiet before each of the four rounds
     runs = [(label, sum(1 for _ in group)) for label, group in groupby(log)]
     assert runs == [("A", 2), ("B", 2), ("A", 8), ("B", 8), ("A", 8), ("B", 8)]
     prompts = [[seen["body"]["prompt"] for seen in fake.seen] for fake in (a, b)]
     assert sorted(prompts[0]) == sorted(prompts[1])
+    # the warm-up and each round have prompts of their own: no round meets a cached prompt
+    assert len(set(prompts[0])) == 2 + 8 + 8
+    assert round_seed(7, 1) == 7 and len({round_seed(7, 2), round_seed(7, "warm-up"), 7}) == 3
     assert result_a.summary.completed == result_b.summary.completed == 16
     assert len(result_a.round_durations_s) == 2
     table = format_comparison(result_a, result_b)

@@ -118,6 +118,9 @@ def parse(*flags: str) -> tuple[BenchConfig, object]:
 def test_flags_map_onto_datasets_and_defaults_follow_vllm() -> None:
     config, _ = parse()
     assert (config.num_prompts, config.dataset.name, config.ignore_eos) == (1000, "random", True)
+    assert (config.warmup, config.settle_s) == (0, 0.0)
+    config, _ = parse("--compare", "http://b")
+    assert (config.warmup, config.settle_s) == (2, 2.0)  # quiet before each compared round
     config, _ = parse("--input-len", "64", "--output-len", "9", "--dataset-name", "sharegpt",
                       "--dataset-path", "f.json")
     assert config.dataset.random_input_len == 64 and config.dataset.sharegpt_output_len == 9
@@ -145,6 +148,7 @@ def test_flags_map_onto_datasets_and_defaults_follow_vllm() -> None:
         (["--sweep", "threads=1,2"], "max-concurrency=1,4,16"),
         (["--metric-percentiles", "p99"], "metric-percentiles"),
         (["--extra-body", "[1]"], "JSON object"),
+        (["--settle", "-1"], "--settle"),
     ],
 )
 def test_bad_flags_say_what_to_fix(
