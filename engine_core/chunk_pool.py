@@ -17,6 +17,14 @@ import torch
 T = TypeVar("T")
 
 
+def _one_thread_for_torch() -> None:
+    """A helper's torch ops run on the helper alone. A thread that OpenMP did not start has its
+    default team size (every core), so without this each MKL or ATen op a helper ran started a
+    team of its own and the pool's threads shared the cores three or four ways: two threads'
+    products ran 1.26x one thread's, 1.94x with it (docs/benchmarks.md)."""
+    torch.set_num_threads(1)
+
+
 class ChunkPool:
     """Runs fn(0..n-1) on the calling thread plus `workers - 1` helper threads; each takes the
     next index when it is done, so a thread the OS has parked holds up at most one chunk."""
@@ -24,7 +32,8 @@ class ChunkPool:
     def __init__(self, workers: int, name: str = "chunks") -> None:
         self.workers = max(1, workers)
         self.active = self.workers  # how many of them the next maps use (`use`)
-        self._helpers = (ThreadPoolExecutor(self.workers - 1, thread_name_prefix=name)
+        self._helpers = (ThreadPoolExecutor(self.workers - 1, thread_name_prefix=name,
+                                            initializer=_one_thread_for_torch)
                          if self.workers > 1 else None)
 
     def use(self, workers: int) -> None:
