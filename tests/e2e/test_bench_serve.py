@@ -81,7 +81,8 @@ def test_compare_against_a_second_server(
     servers: list[Server], tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert bench(servers, tiny_llama, "--input-len", "16", "--output-len", "6", "--compare",
-                 servers[1].url, "--rounds", "2", "--warmup", "1", "--plot", str(tmp_path),
+                 servers[1].url, "--rounds", "2", "--warmup", "1", "--settle", "0.1",
+                 "--plot", str(tmp_path),
                  "--save-result", "--result-dir", str(tmp_path), "--result-file",
                  str(tmp_path / "rich.out")) == 0
     a, b = saved(tmp_path)
