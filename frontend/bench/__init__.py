@@ -3,8 +3,9 @@
 `run_benchmark(config)` runs one workload against `config.target`; `run_comparison(config)`
 runs the very same workload (same prompts, same arrival times) against `config.target` (A) and
 `config.compare` (B), alternating A, B, A, B for `config.rounds` rounds after a warm-up, with
-`config.settle_s` of quiet before each round. Each round and the warm-up have prompts of their
-own (`round_seed`), so no round measures a prefix cache that an earlier one filled;
+`config.settle_s` of quiet before each round. Each round and the warm-up draw prompts of their
+own (`round_seed`), so no round measures a prefix cache that an earlier one filled (a file
+dataset's rounds draw from the same file);
 `sweep.run_sweep` repeats that over concurrencies or rates. The package owns: workload.py
 (exact-length prompts, arrival times), datasets.py (random, sharegpt, custom,
 prefix_repetition), client.py (one streamed request), metrics.py (the arithmetic), report.py
