@@ -44,6 +44,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor  # [Bd] rows of the packed batch that are single-token decodes
     decode_blocks: torch.Tensor  # [Bd * nb] each decode's context blocks, padded with block 0
     decode_context: torch.Tensor  # [Bd] int64: each decode's context length
+    decode_max_context: int  # the longest of them (0 without decodes)
     # [Bd, 1, 1, nb * block_size] bool, for SDPA; None where `decode_kernels` run the decodes
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
@@ -68,7 +69,8 @@ def build_metadata(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndar
     is_decode = num_new == 1
     dec = np.nonzero(is_decode)[0]
     ctx = starts[dec] + 1
-    nblocks = -(-int(ctx.max()) // block_size) if len(dec) else 1
+    max_ctx = int(ctx.max()) if len(dec) else 0
+    nblocks = -(-max_ctx // block_size) if len(dec) else 1
     # past a context: padding or spare, masked out (int64, as the compiled kernel reads them)
     dec_blocks = block_table[dec, :nblocks].astype(np.int64)
     dec_mask = (None if decode_kernels is not None else
@@ -92,6 +94,7 @@ def build_metadata(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndar
         decode_rows=torch.from_numpy(offsets[dec]).to(device),
         decode_blocks=torch.from_numpy(dec_blocks.reshape(-1)).to(device),
         decode_context=torch.from_numpy(ctx.astype(np.int64)).to(device),
+        decode_max_context=max_ctx,
         decode_mask=None if dec_mask is None else dec_mask[:, None, None, :].to(device),
         prefills=prefills,
         kv_caches=kv_caches,
@@ -167,7 +170,7 @@ def _decode_in_place(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Te
     kv_heads = k_cache.shape[1]
     ldt = meta.decode_blocks.shape[0] // rows
     out = torch.empty_like(q)
-    scratch = torch.empty(heads // kv_heads * int(meta.decode_context.max()))
+    scratch = torch.empty(heads // kv_heads * meta.decode_max_context)
     meta.decode_kernels.decode_attention(
         q.data_ptr(), heads * dim, rows, k_cache.data_ptr(), v_cache.data_ptr(),
         meta.decode_blocks.data_ptr(), ldt, meta.decode_context.data_ptr(), meta.block_size,
