@@ -142,9 +142,11 @@ async def run_targets(config: BenchConfig, targets: Sequence[Target]) -> list[Be
         options = [await resolve_options(session, config, target) for target in targets]
         tokenizer = await load_workload_tokenizer(session, config, options[0].model)
         if config.warmup:
-            warm = await prepare_workload(tokenizer, config, round_seed(config.seed, "warm-up"))
+            warm = await asyncio.to_thread(
+                sample_prompts, tokenizer, config.dataset, warmup_draw(config),
+                round_seed(config.seed, "warm-up"))
             for target, opts in zip(targets, options):
-                await warm_up(session, target, opts, warm.prompts, config.warmup)
+                await warm_up(session, target, opts, warm, config.warmup)
         rounds: list[list[Round]] = [[] for _ in targets]
         for number in range(1, config.rounds + 1):
             workload = await prepare_workload(tokenizer, config, round_seed(config.seed, number))
@@ -191,6 +193,15 @@ def round_seed(seed: int, round_name: int | str) -> int:
         return seed
     digest = hashlib.sha256(f"{seed}/{round_name}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
+
+
+def warmup_draw(config: BenchConfig) -> int:
+    """How many prompts to draw for the warm-up: its count, rounded up to a whole number per
+    prefix for prefix_repetition (which draws that many per prefix)."""
+    if config.dataset.name != "prefix_repetition":
+        return config.warmup
+    prefixes = max(config.dataset.prefix_repetition_num_prefixes, 1)
+    return -(-config.warmup // prefixes) * prefixes
 
 
 async def prepare_workload(tokenizer: Any, config: BenchConfig, seed: int) -> Workload:
@@ -278,4 +289,5 @@ __all__ = [
     "run_benchmark",
     "run_comparison",
     "run_targets",
+    "warmup_draw",
 ]

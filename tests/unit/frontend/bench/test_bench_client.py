@@ -26,6 +26,7 @@ from frontend.bench import (
     round_seed,
     run_benchmark,
     run_comparison,
+    warmup_draw,
 )
 from frontend.bench.__main__ import main, serve
 from frontend.bench.client import RequestOptions, fetch_model_id, send_request
@@ -271,6 +272,10 @@ async def test_comparison_alternates_with_the_same_prompts(
     # the warm-up and each round have prompts of their own: no round meets a cached prompt
     assert len(set(prompts[0])) == 2 + 8 + 8
     assert round_seed(7, 1) == 7 and len({round_seed(7, 2), round_seed(7, "warm-up"), 7}) == 3
+    # the warm-up draws only the prompts it sends (prefix_repetition: whole prefixes' worth)
+    assert warmup_draw(cfg) == 2
+    repeated = DatasetConfig(name="prefix_repetition", prefix_repetition_num_prefixes=3)
+    assert warmup_draw(replace(cfg, dataset=repeated, warmup=4)) == 6
     assert result_a.summary.completed == result_b.summary.completed == 16
     assert len(result_a.round_durations_s) == 2
     table = format_comparison(result_a, result_b)
