@@ -25,7 +25,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from engine_core.lm_head import Scan
+from engine_core.layers.lm_head import Scan
 from engine_core.request import Request
 from engine_core.structured import (
     AllowedIds,

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine_core.host_link import HostLink
-from engine_core.lm_head import BLOCK
+from engine_core.layers.host_link import HostLink
+from engine_core.layers.lm_head import BLOCK
 from engine_core.request import Request
 from engine_core.sampler import SamplerOutput
 from engine_core.sampling_batch import Edits, SamplingBatch

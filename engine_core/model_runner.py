@@ -27,13 +27,13 @@ import numpy as np
 import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from engine_core import attention, attention_cuda, native
-from engine_core.chunk_pool import ChunkPool
 from engine_core.config import EngineConfig
 from engine_core.device_sampler import DeviceSampler, HeadWeights
-from engine_core.fused import ElementwiseOps, fuse_decoder
-from engine_core.linear import prepare_linears
-from engine_core.lm_head import LMHead
+from engine_core.layers import attention, attention_cuda, native
+from engine_core.layers.chunk_pool import ChunkPool
+from engine_core.layers.fused import ElementwiseOps, fuse_decoder
+from engine_core.layers.linear import prepare_linears
+from engine_core.layers.lm_head import LMHead
 from engine_core.memory_profile import StepMemory, max_useful_blocks, measure_step
 from engine_core.platform import AttentionBackend, Platform
 from engine_core.scheduler import SchedulerOutput

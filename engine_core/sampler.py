@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from engine_core.constrained_sampling import ConstrainedSampler, FastDraws
-from engine_core.lm_head import BLOCK, LMHead, Scan, gather_blocks
+from engine_core.layers.lm_head import BLOCK, LMHead, Scan, gather_blocks
 from engine_core.request import Request
 from shared.step_outputs import Logprobs
 

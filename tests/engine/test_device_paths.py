@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-import engine_core.attention_cuda as attention_cuda
+import engine_core.layers.attention_cuda as attention_cuda
 import engine_core.model_runner as model_runner
 from engine_core.config import EngineConfig
 from engine_core.device_sampler import DeviceSampler

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from engine_core.fused import FusedDecoderLayer
+from engine_core.layers.fused import FusedDecoderLayer
 from tests.engine.test_hf_parity import (
     Reference,
     assert_drained,

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
-from engine_core.linear import DecoderLinear
+from engine_core.layers.linear import DecoderLinear
 from shared.messages import SamplingParams
 from tests.engine.driver import Collected, run
 

@@ -7,7 +7,7 @@ import functools
 import pytest
 
 from engine_core.config import EngineConfig
-from engine_core.native import Kernels
+from engine_core.layers.native import Kernels
 from engine_core.platform import Platform
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_core.attention import build_metadata, paged_attention
+from engine_core.layers.attention import build_metadata, paged_attention
 from tests.unit.engine_core.heads import kernels_or_skip
 
 

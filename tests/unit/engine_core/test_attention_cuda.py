@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_core.attention import build_metadata as portable_metadata
-from engine_core.attention import paged_attention
-from engine_core.attention_cuda import (
+from engine_core.layers.attention import build_metadata as portable_metadata
+from engine_core.layers.attention import paged_attention
+from engine_core.layers.attention_cuda import (
     Decode,
     Kernels,
     Varlen,
@@ -25,7 +25,7 @@ from engine_core.attention_cuda import (
     cuda_paged_attention,
     plan,
 )
-from engine_core.host_link import HostLink
+from engine_core.layers.host_link import HostLink
 
 BS = 4
 # Four sequences in one step: a decode at position 5, a fresh 3-token prompt, a 2-token chunk
@@ -125,7 +125,7 @@ def test_triton_decode_kernel_in_the_interpreter():
     the check runs in a fresh interpreter."""
     pytest.importorskip("triton")
     script = ("from tests.unit.engine_core.test_attention_cuda import run_both, reference_varlen\n"
-              "from engine_core.attention_cuda import Kernels, triton_paged_decode\n"
+              "from engine_core.layers.attention_cuda import Kernels, triton_paged_decode\n"
               "run_both(Kernels(reference_varlen, triton_paged_decode))\n")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
@@ -135,7 +135,7 @@ def test_triton_decode_kernel_in_the_interpreter():
 
 def test_flash_varlen_call_matches_the_ops_schema():
     """FlashAttention is CUDA-only; its meta kernel checks the call (arguments, shapes)."""
-    from engine_core.attention_cuda import flash_varlen
+    from engine_core.layers.attention_cuda import flash_varlen
 
     meta = torch.device("meta")
     q = torch.empty(10, 8, 64, dtype=torch.bfloat16, device=meta)
@@ -153,7 +153,7 @@ def test_decode_kernel_compiles_for_hopper(dtype: str, monkeypatch: pytest.Monke
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from engine_core.attention_cuda import decode_kernel
+    from engine_core.layers.attention_cuda import decode_kernel
 
     ints = ["q_tok", "q_head", "kv_slot", "kv_head", "table_row", "o_tok", "o_head"]
     signature = {**{p: f"*{dtype}" for p in ("out_ptr", "q_ptr", "k_ptr", "v_ptr")},

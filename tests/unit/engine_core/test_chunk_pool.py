@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from engine_core.chunk_pool import ChunkPool
+from engine_core.layers.chunk_pool import ChunkPool
 
 
 def test_pool_runs_every_index_once_and_reraises():

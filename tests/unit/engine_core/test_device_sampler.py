@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from engine_core.device_sampler import DeviceSampler, HeadWeights, inverse_cdf
-from engine_core.host_link import HostLink
-from engine_core.lm_head import BLOCK, LMHead
+from engine_core.layers.host_link import HostLink
+from engine_core.layers.lm_head import BLOCK, LMHead
 from engine_core.request import Request
 from engine_core.sampler import Sampler
 from engine_core.sampler import inverse_cdf as cpu_inverse_cdf

@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from engine_core.config import EngineConfig
-from engine_core.fused import (
+from engine_core.layers.fused import (
     ElementwiseOps,
     FusedDecoderLayer,
     FusedRMSNorm,

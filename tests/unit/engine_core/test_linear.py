@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine_core import native
-from engine_core.chunk_pool import ChunkPool
 from engine_core.config import EngineConfig
-from engine_core.linear import (
+from engine_core.layers import native
+from engine_core.layers.chunk_pool import ChunkPool
+from engine_core.layers.linear import (
     PANEL_ROWS,
     DecoderLinear,
     TransposedLinear,

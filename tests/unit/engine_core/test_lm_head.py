@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from engine_core.lm_head import BLOCK, LMHead
+from engine_core.layers.lm_head import BLOCK, LMHead
 from tests.unit.engine_core.heads import engine_kernels
 
 PATHS = [pytest.param(True, id="native"), pytest.param(False, id="torch")]

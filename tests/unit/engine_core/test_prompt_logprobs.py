@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from engine_core.block_manager import BlockManager
-from engine_core.lm_head import LMHead
+from engine_core.layers.lm_head import LMHead
 from engine_core.prompt_logprobs import PromptLogprobsAccumulator
 from engine_core.request import Request
 from engine_core.scheduler import Scheduled

@@ -14,7 +14,7 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from engine_core.lm_head import BLOCK, LMHead
+from engine_core.layers.lm_head import BLOCK, LMHead
 from engine_core.request import Request
 from engine_core.sampler import Sampler, token_logprobs
 from engine_core.structured import RequestGrammar, TokenMasker

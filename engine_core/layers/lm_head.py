@@ -28,8 +28,8 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
-import engine_core.native as native_kernels
-from engine_core.chunk_pool import ChunkPool
+import engine_core.layers.native as native_kernels
+from engine_core.layers.chunk_pool import ChunkPool
 
 BLOCK = 256  # inverse-CDF block; chunk boundaries fall on block boundaries
 HeadBackend = Literal["native", "torch"]

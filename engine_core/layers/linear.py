@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_core import native
-from engine_core.chunk_pool import ChunkPool
+from engine_core.layers import native
+from engine_core.layers.chunk_pool import ChunkPool
 from shared.machine import available_memory
 
 log = logging.getLogger(__name__)

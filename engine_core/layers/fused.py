@@ -30,7 +30,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm
 
-from engine_core import native
+from engine_core.layers import native
 
 FUSABLE_LAYERS = (LlamaDecoderLayer, Qwen2DecoderLayer)
 FUSABLE_NORMS = (LlamaRMSNorm, Qwen2RMSNorm)

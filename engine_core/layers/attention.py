@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine_core import native
+from engine_core.layers import native
 
 
 @dataclass

@@ -27,8 +27,8 @@ from typing import Any, NamedTuple, no_type_check
 import numpy as np
 import torch
 
-from engine_core.attention import cache_slots
-from engine_core.host_link import HostLink
+from engine_core.layers.attention import cache_slots
+from engine_core.layers.host_link import HostLink
 
 try:
     import triton
