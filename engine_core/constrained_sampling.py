@@ -1,4 +1,4 @@
-"""The constrained rows of a step (structured outputs, engine_core/structured.py): their tokens
+"""The constrained rows of a step (structured outputs, engine_core/structured/): their tokens
 follow their grammars exactly, and the grammar is paid for only where it matters.
 
 A greedy constrained token is the argmax of the masked raw logits, a sampled one a draw from
@@ -27,14 +27,8 @@ import torch
 
 from engine_core.layers.lm_head import Scan
 from engine_core.request import Request
-from engine_core.structured import (
-    AllowedIds,
-    RequestGrammar,
-    TokenMasker,
-    allows,
-    apply_bitmask,
-    read_masks,
-)
+from engine_core.structured.grammar import RequestGrammar
+from engine_core.structured.masks import AllowedIds, TokenMasker, allows, apply_bitmask, read_masks
 
 _MAX_REDRAWS = 64  # tokens a constrained row may draw and see refused before it is given up
 # A sampled constrained row whose unconstrained draw the grammar refuses draws again up to

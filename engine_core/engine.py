@@ -26,7 +26,7 @@ from engine_core.request import Request
 from engine_core.sampler import Sampler, SamplerOutput
 from engine_core.scheduler import Scheduled, Scheduler, SchedulerOutput
 from engine_core.stop_rules import Stop, StopRules
-from engine_core.structured import GrammarCompiler
+from engine_core.structured.grammar import GrammarCompiler
 from engine_core.threads import ThreadPolicy
 from engine_core.validation import params_error, prompt_ids
 from shared.messages import (

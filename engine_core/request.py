@@ -6,7 +6,7 @@ import enum
 
 import torch
 
-from engine_core.structured import RequestGrammar
+from engine_core.structured.grammar import RequestGrammar
 from shared.messages import SamplingParams
 
 

@@ -10,8 +10,8 @@ After the step ran, `update_from_output` records its progress: computed tokens, 
 prefix cache, sampled tokens, the stop rules (stop_rules.py), and finishes requests.
 
 Constrained requests (structured outputs): `add` starts compiling the request's grammar
-(engine_core/structured.py, on a worker thread); the request waits, and others pass it, until
-the grammar is ready. A grammar that fails refuses its request (`take_refused`). The sampler
+(engine_core/structured/grammar.py, on a worker thread); the request waits, and others pass it,
+until the grammar is ready. A grammar that fails refuses its request (`take_refused`). The sampler
 advances the request's matcher with each token; a request whose grammar ended stops ("stop")
 whatever its stop tokens say.
 """
@@ -28,7 +28,7 @@ import numpy as np
 from engine_core.block_manager import BlockManager, chain_hashes
 from engine_core.request import Request, Status
 from engine_core.stop_rules import Stop, StopRules
-from engine_core.structured import GrammarCompiler
+from engine_core.structured.grammar import GrammarCompiler
 from shared.messages import FinishReason
 
 log = logging.getLogger(__name__)

@@ -205,7 +205,7 @@ def test_constrained_greedy_is_the_masked_argmax_and_draws_stay_in_the_mask():
 
 
 def test_a_token_the_matcher_refuses_is_banned_and_drawn_again(monkeypatch):
-    from engine_core.structured import TokenMasker
+    from engine_core.structured.masks import TokenMasker
 
     real = TokenMasker.accept
 

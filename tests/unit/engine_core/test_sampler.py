@@ -17,7 +17,8 @@ import torch
 from engine_core.layers.lm_head import BLOCK, LMHead
 from engine_core.request import Request
 from engine_core.sampler import Sampler, token_logprobs
-from engine_core.structured import RequestGrammar, TokenMasker
+from engine_core.structured.grammar import RequestGrammar
+from engine_core.structured.masks import TokenMasker
 from shared.messages import SamplingParams
 from tests.unit.engine_core.heads import engine_kernels
 
@@ -303,7 +304,7 @@ def test_constrained_rows_keep_the_raw_logprobs_and_free_rows_their_draws():
 
 
 def test_read_masks_and_allows_read_the_bitmask():
-    from engine_core.structured import allows, read_masks
+    from engine_core.structured.masks import allows, read_masks
 
     bitmask = torch.zeros(3, 19, dtype=torch.int32)  # 608 bits for 600 tokens
     bitmask[0, 0] = 1 << 3

@@ -1,4 +1,4 @@
-"""JSON schema grammars (engine_core/structured.py) on a vocabulary of single characters: a
+"""JSON schema grammars (engine_core/structured/grammar.py) on a vocabulary of single characters: a
 string with minLength/maxLength holds JSON characters only, each escape counted as one."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import xgrammar
 
-from engine_core.structured import json_schema_grammar
+from engine_core.structured.grammar import json_schema_grammar
 
 VOCAB = [chr(c) for c in range(128)] + ["é", "</s>"]
 EOS = len(VOCAB) - 1
