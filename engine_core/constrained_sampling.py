@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from engine_core.layers.lm_head import Scan
-from engine_core.request import Request
+from engine_core.sched.request import Request
 from engine_core.structured.grammar import RequestGrammar
 from engine_core.structured.masks import AllowedIds, TokenMasker, allows, apply_bitmask, read_masks
 

@@ -15,17 +15,17 @@ import msgspec
 import numpy as np
 import torch
 
-from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
 from engine_core.device_sampler import DeviceSampler
 from engine_core.model_runner import ModelRunner
 from engine_core.outputs import StepNews
 from engine_core.platform import Platform
 from engine_core.prompt_logprobs import PromptLogprobsAccumulator
-from engine_core.request import Request
 from engine_core.sampler import Sampler, SamplerOutput
-from engine_core.scheduler import Scheduled, Scheduler, SchedulerOutput
-from engine_core.stop_rules import Stop, StopRules
+from engine_core.sched.block_manager import BlockManager
+from engine_core.sched.request import Request
+from engine_core.sched.scheduler import Scheduled, Scheduler, SchedulerOutput
+from engine_core.sched.stop_rules import Stop, StopRules
 from engine_core.structured.grammar import GrammarCompiler
 from engine_core.threads import ThreadPolicy
 from engine_core.validation import params_error, prompt_ids

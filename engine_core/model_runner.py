@@ -36,7 +36,7 @@ from engine_core.layers.linear import prepare_linears
 from engine_core.layers.lm_head import LMHead
 from engine_core.memory_profile import StepMemory, max_useful_blocks, measure_step
 from engine_core.platform import AttentionBackend, Platform
-from engine_core.scheduler import SchedulerOutput
+from engine_core.sched.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 ATTENTION_NAMES: dict[AttentionBackend, str] = {"portable": "tandem_paged",

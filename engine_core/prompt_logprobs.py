@@ -14,7 +14,7 @@ import torch
 
 from engine_core.layers.lm_head import LMHead
 from engine_core.sampler import token_logprobs
-from engine_core.scheduler import Scheduled
+from engine_core.sched.scheduler import Scheduled
 from shared.step_outputs import Logprobs
 
 # Prompt positions per LM-head scan, so a long echoed prompt never materialises a

@@ -29,7 +29,7 @@ import torch
 
 from engine_core.constrained_sampling import ConstrainedSampler, FastDraws
 from engine_core.layers.lm_head import BLOCK, LMHead, Scan, gather_blocks
-from engine_core.request import Request
+from engine_core.sched.request import Request
 from shared.step_outputs import Logprobs
 
 _GREEDY_EPS = 1e-5

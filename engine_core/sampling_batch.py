@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engine_core.request import Request
+from engine_core.sched.request import Request
 
 GREEDY_EPS = 1e-5  # below this temperature a row is greedy (as engine_core/sampler.py)
 

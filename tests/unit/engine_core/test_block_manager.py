@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_core.block_manager import BlockManager, chain_hashes
+from engine_core.sched.block_manager import BlockManager, chain_hashes
 
 
 def test_chain_hashes_cover_full_blocks_only_and_extend():
@@ -104,7 +104,7 @@ def test_free_queue_keeps_the_order_of_an_lru_queue_of_every_block():
     import random
     from collections import OrderedDict
 
-    from engine_core.block_manager import FreeQueue
+    from engine_core.sched.block_manager import FreeQueue
 
     rng = random.Random(7)
     queue, model = FreeQueue(50), OrderedDict((b, None) for b in range(50))

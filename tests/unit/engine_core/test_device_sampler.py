@@ -13,9 +13,9 @@ import torch
 from engine_core.device_sampler import DeviceSampler, HeadWeights, inverse_cdf
 from engine_core.layers.host_link import HostLink
 from engine_core.layers.lm_head import BLOCK, LMHead
-from engine_core.request import Request
 from engine_core.sampler import Sampler
 from engine_core.sampler import inverse_cdf as cpu_inverse_cdf
+from engine_core.sched.request import Request
 from shared.messages import SamplingParams
 from tests.unit.engine_core.heads import engine_kernels
 from tests.unit.engine_core.test_sampler import (

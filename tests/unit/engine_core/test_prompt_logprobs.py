@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine_core.block_manager import BlockManager
 from engine_core.layers.lm_head import LMHead
 from engine_core.prompt_logprobs import PromptLogprobsAccumulator
-from engine_core.request import Request
-from engine_core.scheduler import Scheduled
+from engine_core.sched.block_manager import BlockManager
+from engine_core.sched.request import Request
+from engine_core.sched.scheduler import Scheduled
 from shared.messages import SamplingParams
 from shared.step_outputs import Logprobs
 
@@ -60,8 +60,8 @@ def test_score_step_scores_chunks_until_the_prompt_completes():
 
 def test_preemption_drops_a_requests_chunks_through_the_engine_path():
     """What the engine does with `SchedulerOutput.preempted`: the chunks go."""
-    from engine_core.scheduler import Scheduler
-    from engine_core.stop_rules import StopRules
+    from engine_core.sched.scheduler import Scheduler
+    from engine_core.sched.stop_rules import StopRules
 
     s = Scheduler(BlockManager(3, 4), 8, 64, stop_rules=StopRules(frozenset(), 100))
     a = Request("a", list(range(1, 9)), SamplingParams(max_tokens=4))

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from engine_core.layers.lm_head import BLOCK, LMHead
-from engine_core.request import Request
 from engine_core.sampler import Sampler, token_logprobs
+from engine_core.sched.request import Request
 from engine_core.structured.grammar import RequestGrammar
 from engine_core.structured.masks import TokenMasker
 from shared.messages import SamplingParams

@@ -3,10 +3,10 @@ what a step's output does to the requests (progress, stop rules, finishes)."""
 
 from __future__ import annotations
 
-from engine_core.block_manager import BlockManager
-from engine_core.request import Request, Status
-from engine_core.scheduler import Scheduler, SchedulerOutput
-from engine_core.stop_rules import Stop, StopRules
+from engine_core.sched.block_manager import BlockManager
+from engine_core.sched.request import Request, Status
+from engine_core.sched.scheduler import Scheduler, SchedulerOutput
+from engine_core.sched.stop_rules import Stop, StopRules
 from shared.messages import FinishReason, SamplingParams
 
 EOS = 2

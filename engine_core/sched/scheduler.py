@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine_core.block_manager import BlockManager, chain_hashes
-from engine_core.request import Request, Status
-from engine_core.stop_rules import Stop, StopRules
+from engine_core.sched.block_manager import BlockManager, chain_hashes
+from engine_core.sched.request import Request, Status
+from engine_core.sched.stop_rules import Stop, StopRules
 from engine_core.structured.grammar import GrammarCompiler
 from shared.messages import FinishReason
 

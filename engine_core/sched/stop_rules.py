@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine_core.request import Request
+from engine_core.sched.request import Request
 from shared.messages import FinishReason
 
 
