@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 from engine_core.config import EngineConfig
-from engine_core.device_sampler import DeviceSampler
 from engine_core.model_runner import ModelRunner
 from engine_core.outputs import StepNews
 from engine_core.platform import Platform
-from engine_core.prompt_logprobs import PromptLogprobsAccumulator
-from engine_core.sampler import Sampler, SamplerOutput
+from engine_core.sample.device_sampler import DeviceSampler
+from engine_core.sample.prompt_logprobs import PromptLogprobsAccumulator
+from engine_core.sample.sampler import Sampler, SamplerOutput
 from engine_core.sched.block_manager import BlockManager
 from engine_core.sched.request import Request
 from engine_core.sched.scheduler import Scheduled, Scheduler, SchedulerOutput

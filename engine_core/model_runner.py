@@ -28,7 +28,6 @@ import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from engine_core.config import EngineConfig
-from engine_core.device_sampler import DeviceSampler, HeadWeights
 from engine_core.layers import attention, attention_cuda, native
 from engine_core.layers.chunk_pool import ChunkPool
 from engine_core.layers.fused import ElementwiseOps, fuse_decoder
@@ -36,6 +35,7 @@ from engine_core.layers.linear import prepare_linears
 from engine_core.layers.lm_head import LMHead
 from engine_core.memory_profile import StepMemory, max_useful_blocks, measure_step
 from engine_core.platform import AttentionBackend, Platform
+from engine_core.sample.device_sampler import DeviceSampler, HeadWeights
 from engine_core.sched.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)

@@ -61,7 +61,7 @@ class Request:
 
     def reset_for_recompute(self) -> None:
         """After preemption: KV is gone; prompt + outputs are recomputed as one prompt (the
-        engine drops prompt logprobs scored in part, engine_core/prompt_logprobs.py)."""
+        engine drops prompt logprobs scored in part, engine_core/sample/prompt_logprobs.py)."""
         self.num_computed_tokens = 0
         self.block_ids = []
         self.num_published_blocks = 0

@@ -10,11 +10,11 @@ import math
 import numpy as np
 import torch
 
-from engine_core.device_sampler import DeviceSampler, HeadWeights, inverse_cdf
 from engine_core.layers.host_link import HostLink
 from engine_core.layers.lm_head import BLOCK, LMHead
-from engine_core.sampler import Sampler
-from engine_core.sampler import inverse_cdf as cpu_inverse_cdf
+from engine_core.sample.device_sampler import DeviceSampler, HeadWeights, inverse_cdf
+from engine_core.sample.sampler import Sampler
+from engine_core.sample.sampler import inverse_cdf as cpu_inverse_cdf
 from engine_core.sched.request import Request
 from shared.messages import SamplingParams
 from tests.unit.engine_core.heads import engine_kernels

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from engine_core.layers.lm_head import LMHead
-from engine_core.prompt_logprobs import PromptLogprobsAccumulator
+from engine_core.sample.prompt_logprobs import PromptLogprobsAccumulator
 from engine_core.sched.block_manager import BlockManager
 from engine_core.sched.request import Request
 from engine_core.sched.scheduler import Scheduled

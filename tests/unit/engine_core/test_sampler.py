@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from engine_core.layers.lm_head import BLOCK, LMHead
-from engine_core.sampler import Sampler, token_logprobs
+from engine_core.sample.sampler import Sampler, token_logprobs
 from engine_core.sched.request import Request
 from engine_core.structured.grammar import RequestGrammar
 from engine_core.structured.masks import TokenMasker
@@ -89,7 +89,7 @@ def test_token_logprobs_match_log_softmax():
 
 
 def test_inverse_cdf_finds_the_right_bucket_and_skips_zero_weights():
-    from engine_core.sampler import inverse_cdf
+    from engine_core.sample.sampler import inverse_cdf
 
     w = torch.zeros(3, 1000)
     w[:, 10], w[:, 500], w[:, 999] = 1.0, 2.0, 1.0

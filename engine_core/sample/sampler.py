@@ -13,7 +13,7 @@ Rows with logit bias, penalties, a pending min_tokens or top-k/top-p/min-p trunc
 general path: their logits are copied out of the scan, processed and searched whole.
 
 Constrained rows (structured outputs) follow their grammars exactly: greedy = argmax of the
-masked raw logits, a draw from softmax(masked logits / T); engine_core/constrained_sampling.py
+masked raw logits, a draw from softmax(masked logits / T); constrained_sampling.py
 does their grammar work, after the fast path's draws and before the general path's processing.
 Logprobs stay the raw model's (vLLM's default `logprobs_mode`, raw_logprobs): the masked
 distribution is not reported. A step without a constrained row does no grammar work at all.
@@ -27,8 +27,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engine_core.constrained_sampling import ConstrainedSampler, FastDraws
 from engine_core.layers.lm_head import BLOCK, LMHead, Scan, gather_blocks
+from engine_core.sample.constrained_sampling import ConstrainedSampler, FastDraws
 from engine_core.sched.request import Request
 from shared.step_outputs import Logprobs
 

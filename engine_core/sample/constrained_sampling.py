@@ -40,7 +40,7 @@ _BROAD = 0.25
 
 
 class Draws(Protocol):
-    """The sampler's draws (engine_core/sampler.py), each request's seed respected."""
+    """The sampler's draws (engine_core/sample/sampler.py), each request's seed respected."""
 
     def draw_from_blocks(self, scan: Scan, block_sums: torch.Tensor, rows: torch.Tensor,
                          temps: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:

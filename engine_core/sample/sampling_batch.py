@@ -4,7 +4,7 @@ The device sampler (device_sampler.py) decides everything about a step from thes
 before it queues a kernel, so no decision waits on the device: which rows sample, which are
 truncated, which logits are biased, banned or penalised. The edits to the logits are sparse
 (row, token, value) triples applied with one indexed op each, in the CPU sampler's order
-(engine_core/sampler.py, `_process_row`): logit bias, the min_tokens ban, the repetition
+(engine_core/sample/sampler.py, `_process_row`): logit bias, the min_tokens ban, the repetition
 penalty, then the frequency and presence penalties.
 
 Uniform numbers come from the same generators as the CPU sampler's: the engine's for every
@@ -23,7 +23,7 @@ import torch
 
 from engine_core.sched.request import Request
 
-GREEDY_EPS = 1e-5  # below this temperature a row is greedy (as engine_core/sampler.py)
+GREEDY_EPS = 1e-5  # below this temperature a row is greedy (as engine_core/sample/sampler.py)
 
 
 class Edits(NamedTuple):

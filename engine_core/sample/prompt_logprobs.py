@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from engine_core.layers.lm_head import LMHead
-from engine_core.sampler import token_logprobs
+from engine_core.sample.sampler import token_logprobs
 from engine_core.sched.scheduler import Scheduled
 from shared.step_outputs import Logprobs
 

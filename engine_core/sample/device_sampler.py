@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from engine_core.layers.host_link import HostLink
 from engine_core.layers.lm_head import BLOCK
-from engine_core.sampler import SamplerOutput
-from engine_core.sampling_batch import Edits, SamplingBatch
+from engine_core.sample.sampler import SamplerOutput
+from engine_core.sample.sampling_batch import Edits, SamplingBatch
 from engine_core.sched.request import Request
 from engine_core.structured.masks import TokenMasker, apply_bitmask
 from shared.messages import MAX_LOGPROBS, SamplingParams
