@@ -16,9 +16,7 @@ import numpy as np
 import torch
 
 from engine_core.config import EngineConfig
-from engine_core.model_runner import ModelRunner
 from engine_core.outputs import StepNews
-from engine_core.platform import Platform
 from engine_core.sample.device_sampler import DeviceSampler
 from engine_core.sample.prompt_logprobs import PromptLogprobsAccumulator
 from engine_core.sample.sampler import Sampler, SamplerOutput
@@ -27,8 +25,10 @@ from engine_core.sched.request import Request
 from engine_core.sched.scheduler import Scheduled, Scheduler, SchedulerOutput
 from engine_core.sched.stop_rules import Stop, StopRules
 from engine_core.structured.grammar import GrammarCompiler
-from engine_core.threads import ThreadPolicy
 from engine_core.validation import params_error, prompt_ids
+from engine_core.worker.model_runner import ModelRunner
+from engine_core.worker.platform import Platform
+from engine_core.worker.threads import ThreadPolicy
 from shared.messages import (
     MAX_LOGPROBS,
     EngineStats,

@@ -15,7 +15,7 @@ from shared.messages import Ready
 
 if TYPE_CHECKING:  # the engine's modules import torch: only once the arguments are parsed
     from engine_core.config import EngineConfig
-    from engine_core.model_runner import ModelFacts
+    from engine_core.worker.model_runner import ModelFacts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     log_format = f"%(asctime)s engine[{os.getpid()}] %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=args.log_level.upper(), format=log_format)
     from engine_core.config import EngineConfig
-    from engine_core.default_model import resolve_model
     from engine_core.engine import EngineCore
     from engine_core.process import serve
+    from engine_core.worker.default_model import resolve_model
 
     # A built-in model answers to its own name, not to the folder it was built in.
     model, builtin_name = resolve_model(args.model)

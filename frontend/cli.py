@@ -173,7 +173,7 @@ class Launcher:
     def _start_engine(self) -> subprocess.Popen[bytes]:
         args = self.args
         # Without --num-threads the engine picks each step's torch threads by measurement
-        # (engine_core/threads.py): all cores for the steps they speed up, one fewer for the
+        # (engine_core/worker/threads.py): all cores for the steps they speed up, one fewer for the
         # steps that a busy frontend would stall.
         cmd = [sys.executable, "-m", "engine_core", *([args.model] if args.model else []),
                "--listen", self.address, "--log-level", args.log_level, *engine_argv(args),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_core.default_model import DEFAULT, TINY_QWEN2, ensure_model
+from engine_core.worker.default_model import DEFAULT, TINY_QWEN2, ensure_model
 
 
 def _cache(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -13,7 +13,7 @@ the fp32 math kernel, and copies every decode's whole context each layer. Here, 
   place, one program per sequence and query head, online softmax over tiles of TILE keys.
   Without Triton, decodes join the varlen call as one-token chunks (contexts gathered).
 FlashAttention runs in bf16 and fp16 only: the platform picks this path for those dtypes
-(engine_core/platform.py). The step's metadata is planned on the host with array ops
+(engine_core/worker/platform.py). The step's metadata is planned on the host with array ops
 (`plan`) and uploaded without a sync (host_link.py).
 """
 

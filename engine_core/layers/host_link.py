@@ -4,7 +4,7 @@ On CUDA a copy to the host, or a blocking copy to the device, waits for every ke
 before it: each one is a host sync, and a step that makes several loses the overlap of Python
 work with the GPU's. `HostLink` uploads step inputs from pinned memory without blocking and
 brings a step's results back together, into pinned memory, with one wait for the lot. On the
-CPU the same calls are plain copies. The platform says which (engine_core/platform.py).
+CPU the same calls are plain copies. The platform says which (engine_core/worker/platform.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ and reduces every 256-column block while it is still in cache: its maximum, and 
 exp((logit - block max) * scale) that the logsumexp (scale 1) and the two-level inverse CDF in
 sampler.py (scale 1 / T) are combined from. Argmax and top-k come afterwards from the leading
 blocks (`gather_blocks`). Two backends fill the blocks, as the platform says
-(engine_core/platform.py): the compiled CPU kernels (`_NativeOps`: native.py, csrc/kernels.c,
+(engine_core/worker/platform.py): the compiled CPU kernels (`_NativeOps`: native.py, csrc/kernels.c,
 the GEMM and the reductions fused) or torch ops (`_TorchOps`: on CUDA, with a bias or softcap,
 or without a compiler). Their speeds are in docs/benchmarks.md.
 

@@ -6,7 +6,7 @@ that hashes the source, the compiler command and this CPU's feature flags, so a 
 folder across different hosts keeps one build per kind of CPU. A compiler is part of any
 machine that installs Python packages from source; where there is none (or the build fails),
 the head keeps its portable torch path. Which compiler and which folder, and whether to try at
-all (`TANDEM_NATIVE=0`), the platform settles at start-up (engine_core/platform.py): nothing
+all (`TANDEM_NATIVE=0`), the platform settles at start-up (engine_core/worker/platform.py): nothing
 here reads the environment. ctypes releases the GIL for the length of each call, so the head's
 chunk threads run these kernels in parallel.
 """

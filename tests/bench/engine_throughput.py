@@ -19,8 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from engine_core.config import EngineConfig
-from engine_core.default_model import ensure_model
 from engine_core.engine import EngineCore
+from engine_core.worker.default_model import ensure_model
 from shared.messages import SamplingParams
 
 

@@ -388,7 +388,7 @@ def format_table(args: argparse.Namespace, rows: list[Row]) -> str:
 
 
 def run(args: argparse.Namespace, log_dir: Path, children: Children) -> list[Row]:
-    from engine_core.default_model import DEFAULT, ensure_model
+    from engine_core.worker.default_model import DEFAULT, ensure_model
 
     model = str(ensure_model())
     engine_ready = log_dir / "engine.ready"

@@ -4,8 +4,9 @@
         [--ready-file F] [--step-interval S]
 
 It binds a ROUTER like `engine_core.process`, answers Hello with Ready (the tokenizer is the
-model folder, by default the embedded tiny Llama of `engine_core.default_model.ensure_model()`;
-vocab, BOS, EOS and context length come from its config.json), and "generates" with no model:
+model folder, by default the embedded tiny Llama of
+`engine_core.worker.default_model.ensure_model()`; vocab, BOS, EOS and context length come from
+its config.json), and "generates" with no model:
 token k of a request is its prompt's token k (BOS left out), cycling, so detokenized text is
 real text of the benchmark's vocabulary. Each loop iteration is one step: it takes every frame
 waiting, then sends one StepOutputs per frontend with one token for every running request of
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     name = args.served_model_name
     if args.model is None:
-        from engine_core.default_model import DEFAULT, ensure_model
+        from engine_core.worker.default_model import DEFAULT, ensure_model
 
         args.model, name = str(ensure_model()), name or DEFAULT.name
     ready = ready_for(args.model, name or Path(args.model).name, args.max_model_len)

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_core.config import EngineConfig
-from engine_core.default_model import ensure_model
 from engine_core.engine import EngineCore
+from engine_core.worker.default_model import ensure_model
 from shared.messages import SamplingParams, StructuredOutput
 from shared.step_outputs import unpack_step
 

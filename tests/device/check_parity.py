@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from engine_core.default_model import ensure_model
+from engine_core.worker.default_model import ensure_model
 from shared.messages import SamplingParams
 from tests.device.context import Context
 from tests.engine.driver import Collected, run

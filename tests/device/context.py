@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from engine_core.config import EngineConfig
-from engine_core.default_model import TinySpec
 from engine_core.engine import EngineCore
+from engine_core.worker.default_model import TinySpec
 
 
 @dataclass(frozen=True)

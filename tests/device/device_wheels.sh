@@ -37,7 +37,7 @@ for name in "${needed[@]}" "${structured[@]}" "${checks[@]}"; do specs+=("$(pinn
   --implementation cp "${platforms[@]}" -d "$WHEELS" "${specs[@]}" ${EXTRA_WHEELS:-} \
   2> >(grep -v "^WARNING: Location" >&2)
 
-source_dir=$("$PY" -c "from engine_core.default_model import LLAMA32_1B_SHAPE as s, tokenizer_source; print(tokenizer_source(s))")
+source_dir=$("$PY" -c "from engine_core.worker.default_model import LLAMA32_1B_SHAPE as s, tokenizer_source; print(tokenizer_source(s))")
 cp -r "$source_dir" "$TOKENIZERS/"
 
 carried=$(du -sb "$WHEELS" "$TOKENIZERS" | awk '{s += $1} END {print s}')

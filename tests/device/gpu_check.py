@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from engine_core.default_model import LLAMA32_1B_SHAPE, TinySpec
+from engine_core.worker.default_model import LLAMA32_1B_SHAPE, TinySpec
 from tests.device import check_parity, check_serve, check_speed, check_structured
 from tests.device.context import Context, Sizes
 from tests.device.report import environment, write_report

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_core.default_model import cache_root
+from engine_core.worker.default_model import cache_root
 from tests.device.gpu_check import DRY_SIZES, STAGES
 
 ROOT = Path(__file__).parents[2]

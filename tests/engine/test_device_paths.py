@@ -11,13 +11,13 @@ import dataclasses
 import pytest
 
 import engine_core.layers.attention_cuda as attention_cuda
-import engine_core.model_runner as model_runner
+import engine_core.worker.model_runner as model_runner
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
-from engine_core.memory_profile import StepMemory
-from engine_core.platform import Platform
 from engine_core.sample.device_sampler import DeviceSampler
 from engine_core.sample.sampler import Sampler
+from engine_core.worker.memory_profile import StepMemory
+from engine_core.worker.platform import Platform
 from shared.messages import SamplingParams
 from tests.engine.driver import run
 from tests.engine.test_hf_parity import (

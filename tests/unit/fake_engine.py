@@ -53,7 +53,7 @@ def sse_events(body: str) -> list[Any]:
 @lru_cache(maxsize=1)
 def tokenizer_folder() -> str:
     """The default model's tokenizer, written once per test session."""
-    from engine_core.default_model import DEFAULT, write_tokenizer
+    from engine_core.worker.default_model import DEFAULT, write_tokenizer
 
     folder = Path(tempfile.mkdtemp(prefix="tandem-tok-"))
     write_tokenizer(DEFAULT, folder)

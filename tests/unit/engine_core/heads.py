@@ -8,7 +8,7 @@ import pytest
 
 from engine_core.config import EngineConfig
 from engine_core.layers.native import Kernels
-from engine_core.platform import Platform
+from engine_core.worker.platform import Platform
 
 
 @functools.cache

@@ -11,8 +11,13 @@ import pytest
 import torch
 
 from engine_core.config import EngineConfig
-from engine_core.memory_profile import StepMemory, kv_budget, max_useful_blocks
-from engine_core.platform import Platform, attention_backend, default_max_num_seqs, step_budget
+from engine_core.worker.memory_profile import StepMemory, kv_budget, max_useful_blocks
+from engine_core.worker.platform import (
+    Platform,
+    attention_backend,
+    default_max_num_seqs,
+    step_budget,
+)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 GIB = 1 << 30

@@ -20,7 +20,7 @@ from engine_core.layers.fused import (
     fuse_decoder,
     merge_linears,
 )
-from engine_core.platform import Platform
+from engine_core.worker.platform import Platform
 from tests.unit.engine_core.heads import engine_kernels
 
 KERNELS = engine_kernels()

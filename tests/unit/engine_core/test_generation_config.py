@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine_core.config import EngineConfig
-from engine_core.model_runner import sampling_defaults
+from engine_core.worker.model_runner import sampling_defaults
 
 
 def folder_with(tmp_path: Path, values: dict[str, object]) -> Path:

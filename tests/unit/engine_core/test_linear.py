@@ -22,7 +22,7 @@ from engine_core.layers.linear import (
     transpose_linears,
     transposed_is_faster,
 )
-from engine_core.platform import Platform
+from engine_core.worker.platform import Platform
 from tests.unit.engine_core.heads import kernels_or_skip
 
 

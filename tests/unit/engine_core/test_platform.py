@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine_core.config import EngineConfig
-from engine_core.platform import Platform, head_workers, step_budget, thread_choices
+from engine_core.worker.platform import Platform, head_workers, step_budget, thread_choices
 from shared.machine import available_cpus
 
 CPU = EngineConfig(model="m", device="cpu")

@@ -1,4 +1,4 @@
-from engine_core.threads import EXPLORE_EVERY, WARMUP, ThreadPolicy
+from engine_core.worker.threads import EXPLORE_EVERY, WARMUP, ThreadPolicy
 
 
 def run(policy: ThreadPolicy, tokens: int, cost: dict[int, float], steps: int) -> list[int]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine_core.default_model import DEFAULT, TINY_QWEN2, TinySpec, write_tokenizer
+from engine_core.worker.default_model import DEFAULT, TINY_QWEN2, TinySpec, write_tokenizer
 from frontend.server import init_app
 from frontend.text.tokenizer import load_tokenizer
 from tests.unit.fake_engine import FakeEngine, cached_tokenizer, frontend_config

@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from engine_core.default_model import DEFAULT, write_tokenizer
+from engine_core.worker.default_model import DEFAULT, write_tokenizer
 from frontend.bench import (
     BenchConfig,
     DatasetConfig,

@@ -17,7 +17,7 @@ import jinja2
 import pytest
 from transformers import AutoTokenizer
 
-from engine_core.default_model import DEFAULT, TINY_QWEN2, TinySpec, write_tokenizer
+from engine_core.worker.default_model import DEFAULT, TINY_QWEN2, TinySpec, write_tokenizer
 from frontend.text.chat_template import compile_template, pick_template, render_chat_template
 from frontend.text.tokenizer import FastTokenizer, load_tokenizer
 

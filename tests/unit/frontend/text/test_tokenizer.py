@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
-from engine_core.default_model import DEFAULT, TINY_QWEN2, TinySpec, write_tokenizer
+from engine_core.worker.default_model import DEFAULT, TINY_QWEN2, TinySpec, write_tokenizer
 from frontend.text.logprob_text import BYTE_TO_UNICODE
 from frontend.text.tokenizer import FastTokenizer, load_tokenizer
 

@@ -33,10 +33,10 @@ from engine_core.layers.chunk_pool import ChunkPool
 from engine_core.layers.fused import ElementwiseOps, fuse_decoder
 from engine_core.layers.linear import prepare_linears
 from engine_core.layers.lm_head import LMHead
-from engine_core.memory_profile import StepMemory, max_useful_blocks, measure_step
-from engine_core.platform import AttentionBackend, Platform
 from engine_core.sample.device_sampler import DeviceSampler, HeadWeights
 from engine_core.sched.scheduler import SchedulerOutput
+from engine_core.worker.memory_profile import StepMemory, max_useful_blocks, measure_step
+from engine_core.worker.platform import AttentionBackend, Platform
 
 log = logging.getLogger(__name__)
 ATTENTION_NAMES: dict[AttentionBackend, str] = {"portable": "tandem_paged",

@@ -17,12 +17,12 @@ from typing import Literal
 import torch
 
 from engine_core.config import EngineConfig
-from engine_core.default_model import cache_root
 from engine_core.layers import native
 from engine_core.layers.host_link import HostLink
 from engine_core.layers.linear import transposed_is_faster
 from engine_core.layers.lm_head import HeadBackend
-from engine_core.memory_profile import StepMemory, kv_budget
+from engine_core.worker.default_model import cache_root
+from engine_core.worker.memory_profile import StepMemory, kv_budget
 from shared.machine import available_cpus
 
 log = logging.getLogger(__name__)
