@@ -26,7 +26,7 @@ from tests.engine.test_hf_parity import (
     make_prompts,
     submit_and_run,
 )
-from tests.unit.engine_core.test_attention_cuda import reference_decode, reference_varlen
+from tests.unit.engine_core.layers.test_attention_cuda import reference_decode, reference_varlen
 
 
 def engine(model, sampler: str, **kw) -> EngineCore:

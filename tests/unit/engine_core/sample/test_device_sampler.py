@@ -18,7 +18,7 @@ from engine_core.sample.sampler import inverse_cdf as cpu_inverse_cdf
 from engine_core.sched.request import Request
 from shared.messages import SamplingParams
 from tests.unit.engine_core.heads import engine_kernels
-from tests.unit.engine_core.test_sampler import (
+from tests.unit.engine_core.sample.test_sampler import (
     EOS,
     PROBS,
     VOCAB,

@@ -124,12 +124,13 @@ def test_triton_decode_kernel_in_the_interpreter():
     CPU inside the same step. The interpreter must be on before Triton is first imported, so
     the check runs in a fresh interpreter."""
     pytest.importorskip("triton")
-    script = ("from tests.unit.engine_core.test_attention_cuda import run_both, reference_varlen\n"
+    script = ("from tests.unit.engine_core.layers.test_attention_cuda import (run_both,\n"
+              "    reference_varlen)\n"
               "from engine_core.layers.attention_cuda import Kernels, triton_paged_decode\n"
               "run_both(Kernels(reference_varlen, triton_paged_decode))\n")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=Path(__file__).parents[3])
+                          text=True, timeout=300, cwd=Path(__file__).parents[4])
     assert done.returncode == 0, done.stderr[-3000:]
 
 
