@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from shared.argv import ConfigFileError, normalize
 from shared.curve import CurveKeyError, server_keys
 from shared.engine_args import add_engine_args, check_engine_args
+from shared.kv_events import parse_kv_events_config
 from shared.messages import Ready
 
 if TYPE_CHECKING:  # the engine's modules import torch: only once the arguments are parsed
@@ -31,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="folder from `tandem keys`: admit only frontends holding a listed "
                              "keypair (CURVE; for tcp:// beyond loopback; default: "
                              "$TANDEM_CURVE_KEYS)")
+    parser.add_argument("--data-parallel-rank", type=int, default=0,
+                        help="this engine's rank among the engines behind the same frontends "
+                             "(vLLM's flag): its label in metrics, its KV-event ports' offset, "
+                             "the X-data-parallel-rank that pins a request to it")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     add_engine_args(parser)
@@ -47,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     problem = check_engine_args(args)
     if problem is not None:
         parser.error(problem)
+    if args.data_parallel_rank < 0:
+        parser.error(f"--data-parallel-rank {args.data_parallel_rank}: 0 or more")
     if args.curve_keys is not None:
         try:
             server_keys(args.curve_keys)  # before the model loads: a wrong folder fails at once
@@ -77,17 +84,21 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as e:
         print(f"tandem engine: cannot start: {e}", file=sys.stderr)
         return 2
-    serve(core, args.listen, ready_message(config, core.facts), args.curve_keys)
+    kv_events = (None if args.kv_events_config is None
+                 else parse_kv_events_config(args.kv_events_config))
+    ready = ready_message(config, core.facts, args.data_parallel_rank)
+    serve(core, args.listen, ready, args.curve_keys, kv_events)
     return 0
 
 
-def ready_message(config: EngineConfig, facts: ModelFacts) -> Ready:
+def ready_message(config: EngineConfig, facts: ModelFacts, rank: int = 0) -> Ready:
     """The handshake answer: the names the API serves, and the model facts a frontend needs."""
     return Ready(model=config.served_model_name or config.model,
                  tokenizer=config.tokenizer or config.model, max_model_len=facts.max_model_len,
                  vocab_size=facts.vocab_size, eos_token_ids=list(facts.eos_token_ids),
                  bos_token_id=facts.bos_token_id, engine_pid=os.getpid(),
-                 sampling_defaults=dict(facts.sampling_defaults))
+                 sampling_defaults=dict(facts.sampling_defaults), data_parallel_rank=rank,
+                 block_size=config.block_size)
 
 
 if __name__ == "__main__":

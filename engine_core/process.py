@@ -33,10 +33,13 @@ from engine_core.engine import EngineCore
 from engine_core.liveness import TICK_S, FrontendLiveness, LoopProgress
 from engine_core.metrics import HistogramTotals
 from shared.curve import secure_server, warn_if_open
+from shared.kv_events import KvEventsConfig
+from shared.kv_publisher import KvEventPublisher
 from shared.messages import (
     AbortRequest,
     AddRequest,
     EngineInput,
+    EngineLoad,
     EngineOutput,
     FinishReason,
     Hello,
@@ -57,10 +60,13 @@ REAP_EVERY_S = 1.0  # how often the loop looks for frontends gone silent
 
 class EngineProcess:
     def __init__(self, core: EngineCore, listen: str, ready: Ready,
-                 frontend_timeout_s: float = 5.0, curve_keys: str | None = None) -> None:
+                 frontend_timeout_s: float = 5.0, curve_keys: str | None = None,
+                 kv_events: KvEventsConfig | None = None) -> None:
         """`frontend_timeout_s`: a frontend that pinged and then stays silent this long is
         gone, and its requests are aborted. `curve_keys`: a key folder (shared/curve.py); only
-        clients holding a listed keypair then reach the socket."""
+        clients holding a listed keypair then reach the socket (and the KV-event sockets).
+        `kv_events`: publish the prefix cache's changes (vLLM's format; `ready` then names
+        where, for the frontends' routers)."""
         self.core = core
         self.listen = listen
         self.ready = ready
@@ -82,6 +88,14 @@ class EngineProcess:
         self.router.bind(listen)
         self.out_pull = self.ctx.socket(zmq.PULL)
         self.out_pull.bind(_OUT_ADDR)
+        self.kv_events: KvEventPublisher | None = None
+        if kv_events is not None and kv_events.enabled:
+            self.kv_events = KvEventPublisher(kv_events, ready.data_parallel_rank, self.ctx,
+                                              curve_keys)
+            core.blocks.record_events()
+            self.ready = msgspec.structs.replace(
+                ready, kv_events_endpoint=self.kv_events.bound,
+                kv_events_replay=self.kv_events.replay_endpoint)
 
     def run(self) -> None:
         threading.Thread(target=self._io_loop, name="engine-io", daemon=True).start()
@@ -115,6 +129,11 @@ class EngineProcess:
             outputs = {}
         self.progress.step_finished()
         self._send(outputs)
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.core.blocks.take_events())
 
     def _send(self, outputs: dict[bytes, StepOutputs]) -> None:
         for owner, out in outputs.items():
@@ -154,9 +173,12 @@ class EngineProcess:
         if msg.method == "stats":
             stats = self.core.stats()
             stats.histograms = self.histograms.snapshot()
+            stats.block_size = self.core.blocks.block_size
+            stats.kv_events_dropped = self.kv_events.dropped if self.kv_events else 0
             return UtilityResult(msg.call_id, stats)
         if msg.method == "reset_prefix_cache":
             self.core.blocks.reset_prefix_cache()
+            self._publish_kv_events()
             return UtilityResult(msg.call_id)
         return UtilityResult(msg.call_id, error=f"unknown utility method {msg.method!r}")
 
@@ -208,10 +230,16 @@ class EngineProcess:
         if isinstance(msg, Hello):
             self.router.send_multipart([owner, out_codec.encode(self.ready)])
         elif isinstance(msg, UtilityRequest) and ping:
-            pong = UtilityResult(msg.call_id, progress=self.progress.snapshot())
+            pong = UtilityResult(msg.call_id, progress=self.progress.snapshot(),
+                                 load=self._load())
             self.router.send_multipart([owner, out_codec.encode(pong)])
         else:
             self.inputs.put((owner, msg))
+
+    def _load(self) -> EngineLoad:
+        """The queue's lengths, read from the I/O thread (a len() is atomic under the GIL)."""
+        scheduler = self.core.scheduler
+        return EngineLoad(len(scheduler.running), len(scheduler.waiting))
 
     def _encode_loop(self) -> None:
         codec = OutputCodec()
@@ -228,10 +256,13 @@ class EngineProcess:
             push.send_multipart([owner, frame], copy=False)
 
 
-def serve(core: EngineCore, listen: str, ready: Ready, curve_keys: str | None = None) -> None:
+def serve(core: EngineCore, listen: str, ready: Ready, curve_keys: str | None = None,
+          kv_events: KvEventsConfig | None = None) -> None:
     """Run the engine until SIGINT/SIGTERM."""
-    proc = EngineProcess(core, listen, ready, curve_keys=curve_keys)
+    proc = EngineProcess(core, listen, ready, curve_keys=curve_keys, kv_events=kv_events)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: proc.stop())
     proc.run()
+    if proc.kv_events is not None:
+        proc.kv_events.close()
     log.info("engine %d stopping", os.getpid())

@@ -83,14 +83,20 @@ def secure_server(ctx: zmq.Context, sock: zmq.Socket,  # type: ignore[type-arg]
                   folder: str | os.PathLike[str]) -> ThreadAuthenticator:
     """Make `sock` (before bind) a CURVE server that admits only the public keys in `folder`.
     Returns the running authenticator (a daemon thread; stop it to close it early)."""
-    public, secret = server_keys(folder)
     auth = ThreadAuthenticator(ctx)
     auth.start()
     auth.configure_curve(domain="*", location=str(folder))
+    serve_curve(sock, folder)
+    return auth
+
+
+def serve_curve(sock: zmq.Socket, folder: str | os.PathLike[str]) -> None:  # type: ignore[type-arg]
+    """Make another socket of a context that `secure_server` already guards (before bind) a
+    CURVE server with the engine's keys: the same authenticator admits its clients."""
+    public, secret = server_keys(folder)
     sock.curve_server = True
     sock.curve_publickey = public
     sock.curve_secretkey = secret
-    return auth
 
 
 def warn_if_open(address: str) -> None:

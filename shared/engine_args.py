@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from shared.kv_events import KvEventsConfigError, parse_kv_events_config
 from shared.messages import MAX_LOGPROBS
 
 _ENGINE_FLAGS = (
@@ -68,6 +69,13 @@ _ENGINE_FLAGS = (
                 "or a folder holding a generation_config.json"}),
     ("--tensor-parallel-size", {
         "type": int, "default": 1, "help": "GPUs per model: only 1 (Tandem serves on one GPU)"}),
+    ("--kv-events-config", {
+        "default": None,
+        "help": "publish the prefix cache's changes as vLLM's KV-cache events, for external "
+                "routers: vLLM's JSON keys, e.g. '{\"enable_kv_cache_events\": true, "
+                "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}' "
+                "(each data-parallel rank adds its rank to the ports)"}),
     ("--max-logprobs", {
         "type": int, "default": None,
         "help": "most logprobs a request may ask for (default and most: 20)"}),
@@ -102,6 +110,11 @@ def check_engine_args(args: argparse.Namespace) -> str | None:
     utilization = args.gpu_memory_utilization
     if utilization is not None and not 0 < utilization <= 1:
         return f"--gpu-memory-utilization {utilization}: a share in (0, 1]"
+    if args.kv_events_config is not None:
+        try:
+            parse_kv_events_config(args.kv_events_config)
+        except KvEventsConfigError as exc:
+            return str(exc)
     return None
 
 

@@ -90,6 +90,12 @@ class Ready(_Wire, tag="ready"):
     # The model's generation defaults (temperature, top_p, top_k, min_p, repetition_penalty)
     # for requests that leave them out: vLLM's --generation-config auto.
     sampling_defaults: dict[str, int | float] = {}
+    # Data parallel: the engine's rank, its KV-cache block size (the router hashes prompts in
+    # blocks of it) and where it publishes its KV-cache events (None: it does not).
+    data_parallel_rank: int = 0
+    block_size: int = 16
+    kv_events_endpoint: str | None = None
+    kv_events_replay: str | None = None
 
 
 class AddRequest(_Wire, tag="add"):
@@ -157,6 +163,8 @@ class EngineStats(msgspec.Struct, omit_defaults=True, gc=False):
     histograms: list[Histogram] = []
     step_errors: int = 0  # steps that raised (their requests finished with "error")
     frontends_lost: int = 0  # frontends gone silent whose requests the engine aborted
+    block_size: int = 0  # tokens per KV-cache block
+    kv_events_dropped: int = 0  # KV-event batches the publisher had no room for
 
 
 class StepProgress(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -168,11 +176,19 @@ class StepProgress(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     slowest_step_s: float = 0.0  # the longest step seen so far
 
 
+class EngineLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The engine's queue as a ping finds it: what a router weighs engines by."""
+
+    running: int = 0
+    waiting: int = 0
+
+
 class UtilityResult(_Wire, tag="util_result"):
     call_id: int
     stats: EngineStats | None = None  # the answer to "stats"
     error: str | None = None
     progress: StepProgress | None = None  # the answer to "ping"
+    load: EngineLoad | None = None  # the answer to "ping"
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -2,24 +2,34 @@
 
 A block is `block_size` token slots in the preallocated KV tensors. A full block whose KV
 is computed gets a key in the prefix cache: its place in a hash chain over the token ids
-(`block_key`), so a block is only reused after the very same prefix. Freed blocks go to the
+(`block_key`; the chain is `shared/block_hash.py`'s, which the frontends' router computes too),
+so a block is only reused after the very same prefix. Freed blocks go to the
 tail of an LRU free queue but keep their key; allocation takes from the head and only then
 evicts the key. A cached block that is hit while free is taken back out of the queue.
 
 Nothing here holds a Python object per block of the pool (a GPU's cache can have millions of
 blocks): reference counts and the free queue live in int32 arrays sized once, and only cached
 blocks have an entry in the prefix cache's dicts (docs/benchmarks.md, "Block manager").
+
+With `record_events()`, what the prefix cache gains and loses is also recorded as vLLM's
+KV-cache events (a block stored, evicted, or every block cleared), for the process to publish
+(`shared/kv_publisher.py`); without it nothing is recorded and nothing is spent.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from shared.block_hash import ROOT_PARENT, block_hash, chain_hashes
+from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from shared.messages import ints
+
 BlockKey = tuple[int, bytes]
+MEDIUM = "GPU"  # vLLM's name for the engine's own KV cache (the tier routers look at)
+__all__ = ["BlockKey", "BlockManager", "FreeQueue", "block_key", "chain_hashes"]
 
 
 def block_key(parent_hash: int, tokens: Sequence[int]) -> BlockKey:
@@ -29,18 +39,7 @@ def block_key(parent_hash: int, tokens: Sequence[int]) -> BlockKey:
     The dict compares whole keys, so two different prefixes can only share a block if the
     64-bit hashes of their parents collide *and* the block tokens are equal.
     """
-    return (parent_hash, array("i", tokens).tobytes())
-
-
-def chain_hashes(token_ids: Sequence[int], block_size: int,
-                 start: list[int] | None = None) -> list[int]:
-    """Hash chain over the full blocks of `token_ids`, extending `start` (already hashed)."""
-    hashes = list(start or [])
-    parent = hashes[-1] if hashes else 0
-    for i in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash(block_key(parent, token_ids[i:i + block_size]))
-        hashes.append(parent)
-    return hashes
+    return (parent_hash, ints(tokens))
 
 
 class FreeQueue:
@@ -114,6 +113,19 @@ class BlockManager:
         self._cached: dict[BlockKey, int] = {}
         self._free = FreeQueue(num_blocks)
         self.stats = PrefixStats()
+        self._events: list[KvEvent] | None = None  # None: nobody publishes them
+
+    def record_events(self) -> None:
+        """From now on, record the prefix cache's changes for `take_events`."""
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[KvEvent]:
+        """The changes recorded since the last call, oldest first."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     @property
     def num_free_blocks(self) -> int:
@@ -126,7 +138,7 @@ class BlockManager:
         """Cached blocks for the longest cached prefix, leaving at least one token to compute."""
         max_blocks = (len(token_ids) - 1) // self.block_size
         found: list[int] = []
-        parent = 0
+        parent = ROOT_PARENT
         for i in range(min(max_blocks, len(hashes))):
             start = i * self.block_size
             block = self._cached.get(block_key(parent, token_ids[start:start + self.block_size]))
@@ -148,11 +160,16 @@ class BlockManager:
         if n > self._free.size:
             return None
         out = self._free.pop(n)
+        evicted: list[int] | None = [] if self._events is not None else None
         for b in out:
             key = self._key_of.pop(b, None)
             if key is not None:
                 del self._cached[key]
+                if evicted is not None:
+                    evicted.append(block_hash(*key))
             self._ref[b] = 1
+        if evicted and self._events is not None:
+            self._events.append(BlockRemoved(evicted, MEDIUM))
         return out
 
     def free(self, blocks: Sequence[int]) -> None:
@@ -173,17 +190,40 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return already
         upto = min(num_computed // self.block_size, len(hashes))
+        stored: list[int] = []  # the blocks of this call that are newly cached
         for i in range(already, upto):
-            parent = hashes[i - 1] if i else 0
+            parent = hashes[i - 1] if i else ROOT_PARENT
             key = block_key(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             b = blocks[i]
             if key not in self._cached and b not in self._key_of:
                 self._cached[key] = b
                 self._key_of[b] = key
+                stored.append(i)
+        if stored and self._events is not None:
+            self._events.extend(self._stored_events(stored, token_ids, hashes))
         return max(upto, already)
+
+    def _stored_events(self, stored: list[int], token_ids: Sequence[int],
+                       hashes: Sequence[int]) -> list[BlockStored]:
+        """One BlockStored per run of consecutive chain positions (vLLM's shape: a run names
+        its first block's parent, and carries every block's tokens)."""
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        bs = self.block_size
+        return [BlockStored(block_hashes=[hashes[i] for i in run],
+                            parent_block_hash=hashes[run[0] - 1] if run[0] else None,
+                            token_ids=list(token_ids[run[0] * bs:(run[-1] + 1) * bs]),
+                            block_size=bs, lora_id=None, medium=MEDIUM, lora_name=None)
+                for run in runs]
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's /reset_prefix_cache): blocks in use keep serving
         their requests, nothing is shared from them any more, and freed blocks return plain."""
         self._key_of.clear()
         self._cached.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
