@@ -1,13 +1,15 @@
 """Prometheus `/metrics` rendering: the whole server's figures, whichever frontend answers.
 
-Design. The engine is the single source of truth. At scrape time the frontend asks it for
-"stats" (the handler is in `frontend.server`) and `render` writes them with vLLM's metric
-names: the gauges (running, waiting, KV cache usage) and counters (tokens, finished requests by
-reason, prefix cache, preemptions) are the engine's own. Latencies (TTFT, inter-token,
-end-to-end) can only be measured where tokens arrive, in the frontends: each frontend's
-`LatencyRecorder` (frontend/engine/latency.py) buckets its observations and sends them to the
-engine as `MetricsReport` messages, which the engine adds up and returns with "stats"
-(engine_core/metrics.py).
+Design. The engines are the source of truth. At scrape time the frontend asks every serving
+engine for "stats" (the handler is in `frontend.server`) and `render` writes them with vLLM's
+metric names, each series labelled with its engine's rank (`engine="K"`, vLLM's label; one
+engine is engine "0"): the gauges (running, waiting, KV cache usage), counters (tokens, finished
+requests by reason, prefix cache, preemptions) and `vllm:cache_config_info` (block size and
+block count, what llm-d's endpoint picker reads next to the queue gauges) are the engine's own.
+Latencies (TTFT, inter-token, end-to-end) can only be measured where tokens arrive, in the
+frontends: each frontend's `LatencyRecorder` (frontend/engine/latency.py) buckets its
+observations and sends them to the engine that ran the requests as `MetricsReport` messages,
+which the engine adds up and returns with "stats" (engine_core/metrics.py).
 
 Why reports to the engine rather than prometheus-client's multiprocess mode: the frontends of
 one server are not always on one host. Frontends started with `tandem frontend` on other
@@ -21,7 +23,7 @@ counts it) and, for other frontends, that much lag in the histograms.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -36,22 +38,42 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REJECTED = (FinishReason.OVERLOADED, FinishReason.ERROR)
 
 
-def render(stats: EngineStats, model_name: str) -> bytes:
-    """The Prometheus text exposition of the engine's figures."""
+def render(engines: Sequence[tuple[int, EngineStats]], model_name: str) -> bytes:
+    """The Prometheus text exposition of the engines' figures, by (rank, stats)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_StatsCollector(stats, model_name))
+    registry.register(_StatsCollector(engines, model_name))
     return generate_latest(registry)
 
 
 class _StatsCollector:
-    """A one-scrape prometheus-client collector over one stats snapshot."""
+    """A one-scrape prometheus-client collector over the engines' stats snapshots: one family
+    per metric, one series per engine in it."""
 
-    def __init__(self, stats: EngineStats, model_name: str) -> None:
-        self.stats = stats
+    def __init__(self, engines: Sequence[tuple[int, EngineStats]], model_name: str) -> None:
+        self.engines = engines
         self.model = model_name
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.stats
+        families: dict[str, Metric] = {}
+        for rank, stats in self.engines:
+            for family in _EngineSeries(self.model, str(rank)).families(stats):
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        yield from families.values()
+
+
+class _EngineSeries:
+    """One engine's series, labelled with its model name and rank."""
+
+    def __init__(self, model_name: str, engine: str) -> None:
+        self.model = model_name
+        self.engine = engine
+
+    def families(self, stats: EngineStats) -> Iterator[Metric]:
+        yield self._info("vllm:cache_config_info", "The KV cache's configuration.", {
+            "block_size": str(stats.block_size), "num_gpu_blocks": str(stats.num_blocks)})
         yield self._gauge("vllm:num_requests_running", "Requests running in the engine now.",
                           stats.running)
         yield self._gauge("vllm:num_requests_waiting", "Requests queued for a slot now.",
@@ -72,6 +94,9 @@ class _StatsCollector:
                             stats.step_errors)
         yield self._counter("tandem:frontends_lost", "Frontends that went silent; the engine "
                             "aborted their requests.", stats.frontends_lost)
+        yield self._counter("tandem:kv_events_dropped", "KV-cache event batches the engine's "
+                            "publisher had no room for (--kv-events-config max_queue_size).",
+                            stats.kv_events_dropped)
         yield self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
                             "cache.", stats.prefix_queries)
         yield self._counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
@@ -84,20 +109,26 @@ class _StatsCollector:
                           (E2E, "Request latency from arrival to finish, seconds.")):
             yield self._histogram(name, doc, reported.get(name))
 
+    def _info(self, name: str, doc: str, labels: dict[str, str]) -> Metric:
+        """vLLM's `*_info` gauges: value 1, the facts in the labels."""
+        family = GaugeMetricFamily(name, doc, labels=["engine", *labels])
+        family.add_metric([self.engine, *labels.values()], 1.0)
+        return family
+
     def _gauge(self, name: str, doc: str, value: float) -> Metric:
-        family = GaugeMetricFamily(name, doc, labels=["model_name"])
-        family.add_metric([self.model], value)
+        family = GaugeMetricFamily(name, doc, labels=["model_name", "engine"])
+        family.add_metric([self.model, self.engine], value)
         return family
 
     def _counter(self, name: str, doc: str, value: float) -> Metric:
-        family = CounterMetricFamily(name, doc, labels=["model_name"])
-        family.add_metric([self.model], value)
+        family = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
+        family.add_metric([self.model, self.engine], value)
         return family
 
     def _by_label(self, name: str, doc: str, label: str, values: dict[str, float]) -> Metric:
-        family = CounterMetricFamily(name, doc, labels=["model_name", label])
+        family = CounterMetricFamily(name, doc, labels=["model_name", "engine", label])
         for key, value in values.items():
-            family.add_metric([self.model, key], value)
+            family.add_metric([self.model, self.engine, key], value)
         return family
 
     def _histogram(self, name: str, doc: str, totals: Histogram | None) -> Metric:
@@ -108,6 +139,6 @@ class _StatsCollector:
         for le, count in zip([*map(floatToGoString, bounds), "+Inf"], counts):
             running += count
             buckets.append((le, float(running)))
-        family = HistogramMetricFamily(name, doc, labels=["model_name"])
-        family.add_metric([self.model], buckets, totals.sum if totals else 0.0)
+        family = HistogramMetricFamily(name, doc, labels=["model_name", "engine"])
+        family.add_metric([self.model, self.engine], buckets, totals.sum if totals else 0.0)
         return family

@@ -1,11 +1,14 @@
-"""The frontend process: an aiohttp app speaking OpenAI's HTTP API to one engine core.
+"""The frontend process: an aiohttp app speaking OpenAI's HTTP API to one engine core, or to
+several (data parallel: `--engine` once per engine).
 
 `init_app(config)` builds the app: routes, Bearer auth, /health, /version, /v1/models and the
 /metrics handler here; the OpenAI APIs in `frontend.openai`; what one client may cost (body
 size, read and write timeouts) in `frontend.http_limits`. Its cleanup context connects the
-EngineClient (Hello/Ready), loads the tokenizer the engine names, settles the `ServedModel`, and
-closes everything on shutdown. `run_frontend(config)` serves it until SIGTERM/SIGINT, then stops
-accepting and gives in-flight requests `config.shutdown_grace` seconds to finish.
+EngineGroup (an EngineClient per engine, Hello/Ready, the router: frontend/engine/group.py),
+loads the tokenizer the engine names, settles the `ServedModel`, and closes everything on
+shutdown. vLLM's `X-data-parallel-rank` header pins a request to one engine.
+`run_frontend(config)` serves it until SIGTERM/SIGINT, then stops accepting and gives in-flight
+requests `config.shutdown_grace` seconds to finish.
 
     python -m frontend.server --engine tcp://127.0.0.1:5555 --host 0.0.0.0 --port 8000
 """
@@ -31,7 +34,9 @@ from aiohttp import web
 
 from frontend.cors import cors_middleware
 from frontend.engine.client import EngineClient, EngineUnavailableError
-from frontend.errors import Handler, OpenAIError, error_middleware
+from frontend.engine.group import PINNED_RANK, EngineGroup
+from frontend.engine.routing import RoutingConfig, add_routing_args, routing_config
+from frontend.errors import Handler, OpenAIError, bad_request, error_middleware
 from frontend.http_limits import HTTP_LIMITS, HttpLimits, body_limit, body_middleware
 from frontend.metrics import CONTENT_TYPE, render
 from frontend.openai.chat import ServingChat
@@ -87,6 +92,12 @@ class FrontendConfig:
     http_log_level: str = "info"  # aiohttp's own loggers
     log_requests: bool = False  # a line per request: id, prompt length, parameters
     curve: ClientKeys | None = None  # CURVE keys for the engine socket (shared/curve.py)
+    more_engines: tuple[str, ...] = ()  # data parallel: engines 1.. (engine_address is 0)
+    routing: RoutingConfig = RoutingConfig()  # how a request's engine is chosen among several
+
+    @property
+    def engine_addresses(self) -> tuple[str, ...]:
+        return (self.engine_address, *self.more_engines)
 
     @property
     def auto_tool_parser(self) -> str | None:
@@ -95,7 +106,7 @@ class FrontendConfig:
 
 
 CONFIG = web.AppKey("config", FrontendConfig)
-ENGINE = web.AppKey("engine", EngineClient)
+ENGINE = web.AppKey("engine", EngineGroup)
 SERVED = web.AppKey("served", ServedModel)
 COMPLETIONS = web.AppKey("completions", ServingCompletions)
 CHAT = web.AppKey("chat", ServingChat)
@@ -109,7 +120,8 @@ def init_app(
     """The frontend app; the engine handshake happens at startup (in cleanup_ctx)."""
     cors = cors_middleware(config.allowed_origins, config.allowed_methods,
                            config.allowed_headers, config.allow_credentials)
-    app = web.Application(middlewares=[cors, error_middleware, auth_middleware, body_middleware])
+    app = web.Application(middlewares=[cors, error_middleware, auth_middleware, body_middleware,
+                                       pin_middleware])
     app[CONFIG] = config
     app.cleanup_ctx.append(partial(engine_context, tokenizer_loader=tokenizer_loader))
     app.on_response_prepare.append(add_frontend_header)
@@ -133,14 +145,14 @@ async def engine_context(
     app: web.Application, tokenizer_loader: TokenizerLoader
 ) -> AsyncIterator[None]:
     config = app[CONFIG]
-    client = EngineClient(
-        config.engine_address,
-        handshake_timeout=config.handshake_timeout,
-        heartbeat_interval=config.heartbeat_interval,
-        silence_timeout=config.silence_timeout,
-        stall_timeout=config.stall_timeout,
-        curve=config.curve,
-    )
+
+    def make_client(address: str) -> EngineClient:
+        return EngineClient(address, handshake_timeout=config.handshake_timeout,
+                            heartbeat_interval=config.heartbeat_interval,
+                            silence_timeout=config.silence_timeout,
+                            stall_timeout=config.stall_timeout, curve=config.curve)
+
+    client = EngineGroup(config.engine_addresses, make_client, config.routing, config.curve)
     ready = await client.start()
     try:
         tokenizer = await asyncio.get_running_loop().run_in_executor(
@@ -163,10 +175,12 @@ async def engine_context(
         app[CHAT] = ServingChat(client, served, config.auto_tool_parser, config.response_role)
         app[TOKENS] = ServingTokens(served, ready.tokenizer)
         logger.info(
-            "engine at %s ready: model %s, max_model_len %d",
+            "engine at %s ready: model %s, max_model_len %d%s",
             config.engine_address,
             ready.model,
             ready.max_model_len,
+            f" ({client.size} engines, {config.routing.policy} routing)"
+            if client.size > 1 else "",
         )
         yield
     finally:
@@ -190,6 +204,28 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     return await handler(request)
 
 
+@web.middleware
+async def pin_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """vLLM's `X-data-parallel-rank: K` sends the request to engine K (a 400 if there is no
+    such engine; a 503 if it is not answering)."""
+    value = request.headers.get("X-data-parallel-rank")
+    if value is None:
+        return await handler(request)
+    size = request.app[ENGINE].size
+    try:
+        rank = int(value)
+    except ValueError:
+        rank = -1
+    if not 0 <= rank < size:
+        raise bad_request(f"X-data-parallel-rank {value!r}: this server has engines 0 to "
+                          f"{size - 1}")
+    token = PINNED_RANK.set(rank)
+    try:
+        return await handler(request)
+    finally:
+        PINNED_RANK.reset(token)
+
+
 async def add_frontend_header(request: web.Request, response: web.StreamResponse) -> None:
     response.headers["X-Tandem-Frontend"] = FRONTEND_ID
 
@@ -202,19 +238,20 @@ async def add_retry_after(request: web.Request, response: web.StreamResponse) ->
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
     """POST /reset_prefix_cache (vLLM's): the engine forgets every cached prompt prefix."""
-    try:
-        await request.app[ENGINE].call_utility("reset_prefix_cache")
+    try:  # every engine's, each publishing AllBlocksCleared
+        await request.app[ENGINE].call_all("reset_prefix_cache")
     except (RuntimeError, TimeoutError) as exc:
         return OpenAIError(503, f"The engine did not reset its prefix cache ({exc}).").to_response()
     return web.Response(status=200)
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """GET /metrics: 503 when the engine, which holds the figures, does not answer."""
-    client = request.app[ENGINE]
-    client.latency.flush()  # this frontend's latest observations reach the engine first
+    """GET /metrics: every serving engine's figures, labelled by engine; 503 when no engine,
+    which holds the figures, answers."""
+    group = request.app[ENGINE]
+    group.flush_latency()  # this frontend's latest observations reach the engines first
     try:
-        stats = await client.stats()
+        stats = await group.stats()
     except (RuntimeError, TimeoutError) as exc:  # EngineDeadError, UtilityError, no answer
         message = f"Metrics are unavailable: the engine did not answer ({exc})."
         return OpenAIError(503, message).to_response()
@@ -313,7 +350,9 @@ def run_frontend(config: FrontendConfig) -> None:
 
 def parse_args(argv: list[str] | None = None) -> FrontendConfig:
     parser = argparse.ArgumentParser(description="Tandem OpenAI-compatible frontend process.")
-    parser.add_argument("--engine", required=True, help="engine address, tcp://H:P or ipc://PATH")
+    parser.add_argument("--engine", required=True, action="append",
+                        help="engine address, tcp://H:P or ipc://PATH; once per engine for "
+                             "several (data parallel, in rank order)")
     parser.add_argument("--host", default=os.environ.get("TANDEM_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"))
@@ -332,6 +371,7 @@ def parse_args(argv: list[str] | None = None) -> FrontendConfig:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     add_frontend_args(parser)
+    add_routing_args(parser)
     try:
         args = parser.parse_args(normalize(sys.argv[1:] if argv is None else argv, parser))
     except ConfigFileError as exc:
@@ -343,7 +383,9 @@ def parse_args(argv: list[str] | None = None) -> FrontendConfig:
         parser.error(str(exc))
     logging.getLogger().setLevel(args.log_level.upper())
     return FrontendConfig(
-        engine_address=args.engine,
+        engine_address=args.engine[0],
+        more_engines=tuple(args.engine[1:]),
+        routing=routing_config(args),
         host=args.host,
         port=args.port,
         api_key=args.api_key,

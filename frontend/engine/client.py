@@ -93,6 +93,7 @@ class EngineClient:
         self._unanswered_ticks = 0  # heartbeat ticks, on time, since then
         self._healthy = False
         self._ready: wire.Ready | None = None
+        self._load: wire.EngineLoad | None = None
         self.latency = LatencyRecorder(self._send)  # TTFT/ITL/e2e, reported to the engine
 
     @property
@@ -111,6 +112,15 @@ class EngineClient:
     def num_in_flight(self) -> int:
         """Engine requests sent and not yet finished or aborted."""
         return len(self._requests)
+
+    @property
+    def load(self) -> wire.EngineLoad | None:
+        """The engine's queue as its latest ping answer gave it (a new object each time)."""
+        return self._load
+
+    def holds(self, request_id: str) -> bool:
+        """The request was sent here and has neither finished nor been aborted."""
+        return request_id in self._requests
 
     async def start(self) -> wire.Ready:
         """Connect, say Hello and wait for Ready; raises EngineUnavailableError on timeout."""
@@ -256,6 +266,8 @@ class EngineClient:
     def _resolve_call(self, result: wire.UtilityResult) -> None:
         if result.progress is not None:
             self._judge_progress(result.progress)
+        if result.load is not None:
+            self._load = result.load
         future = self._calls.get(result.call_id)
         if future is None or future.done():
             return

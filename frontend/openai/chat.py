@@ -14,7 +14,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from frontend.engine.client import EngineClient
+from frontend.engine.group import EngineGroup
 from frontend.openai.plan import ApiFields, RequestPlan, plan_request
 from frontend.openai.protocol import Usage, decode_request
 from frontend.openai.protocol_chat import (
@@ -46,7 +46,7 @@ class ServingChat:
 
     def __init__(
         self,
-        client: EngineClient,
+        client: EngineGroup,
         served: ServedModel,
         auto_tool_parser: str | None = None,
         response_role: str = "assistant",

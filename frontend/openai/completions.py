@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from frontend.engine.client import EngineClient
+from frontend.engine.group import EngineGroup
 from frontend.errors import bad_request
 from frontend.openai.plan import ApiFields, RequestPlan, plan_request
 from frontend.openai.protocol import (
@@ -30,7 +30,7 @@ from frontend.text.output_processor import ChoiceDelta, merge_deltas
 class ServingCompletions:
     """The /v1/completions endpoint for one engine and one served model."""
 
-    def __init__(self, client: EngineClient, served: ServedModel) -> None:
+    def __init__(self, client: EngineGroup, served: ServedModel) -> None:
         self.client = client
         self.served = served
 

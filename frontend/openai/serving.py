@@ -19,7 +19,8 @@ from typing import Any, NamedTuple, TypeVar
 import msgspec
 from aiohttp import web
 
-from frontend.engine.client import EngineClient, EngineDeadError, EngineOverloadedError
+from frontend.engine.client import EngineDeadError, EngineOverloadedError
+from frontend.engine.group import EngineGroup
 from frontend.engine.stream import OutputStream, StepItem
 from frontend.errors import OpenAIError, bad_request
 from frontend.http_limits import HTTP_LIMITS
@@ -67,7 +68,7 @@ class ChoiceOutput(NamedTuple):
 
 
 async def run_choices(
-    client: EngineClient, choices: Sequence[ChoiceState]
+    client: EngineGroup, choices: Sequence[ChoiceState]
 ) -> AsyncGenerator[ChoiceOutput, None]:
     """Yield each choice's deltas as the engine produces them; abort leftovers on exit.
 
@@ -85,7 +86,7 @@ async def run_choices(
         client.abort(stream.unfinished)
 
 
-def advance(client: EngineClient, choice: ChoiceState, item: StepItem) -> list[ChoiceDelta]:
+def advance(client: EngineGroup, choice: ChoiceState, item: StepItem) -> list[ChoiceDelta]:
     """Feed one engine step to the choice's processor."""
     proc = choice.processor
     if proc.finished:  # stopped by a string: what was already in flight is dropped
@@ -105,7 +106,7 @@ def advance(client: EngineClient, choice: ChoiceState, item: StepItem) -> list[C
     return deltas
 
 
-async def collect_choices(client: EngineClient, plan: RequestPlan) -> list[list[ChoiceDelta]]:
+async def collect_choices(client: EngineGroup, plan: RequestPlan) -> list[list[ChoiceDelta]]:
     """Every delta of every choice, in order (for a JSON answer); raises OpenAIError."""
     collected: list[list[ChoiceDelta]] = [[] for _ in plan.choices]
     try:
@@ -119,7 +120,7 @@ async def collect_choices(client: EngineClient, plan: RequestPlan) -> list[list[
 
 async def stream_choices(
     request: web.Request,
-    client: EngineClient,
+    client: EngineGroup,
     plan: RequestPlan,
     chunks_of: ChunksOf,
     usage_chunk: UsageChunk | None,

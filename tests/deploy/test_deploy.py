@@ -67,7 +67,7 @@ def test_kustomization_lists_every_manifest() -> None:
 
 def served_metric_names() -> set[str]:
     """Every sample name /metrics serves (histograms' _bucket/_sum/_count, counters' _total)."""
-    text = render(EngineStats(), "m").decode()
+    text = render([(0, EngineStats())], "m").decode()
     return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
 
 

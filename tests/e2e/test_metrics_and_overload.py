@@ -56,8 +56,11 @@ async def scrape(url: str) -> tuple[dict[str, float], str]:
         text, frontend = await resp.text(), resp.headers["X-Tandem-Frontend"]
     values = {}
     for family in text_string_to_metric_families(text):
+        if family.name == "vllm:cache_config_info":  # the cache's facts in labels, value 1
+            continue
         for sample in family.samples:
             assert sample.labels.pop("model_name") == "m"
+            assert sample.labels.pop("engine") == "0"
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
             values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return values, frontend

@@ -41,9 +41,9 @@ def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 
 
 def test_render_uses_vllm_names_and_the_engine_figures() -> None:
-    text = render(STATS, "m").decode()
+    text = render([(0, STATS)], "m").decode()
     got = samples(text)
-    m = frozenset({("model_name", "m")})
+    m = frozenset({("model_name", "m"), ("engine", "0")})
 
     def value(name: str, **labels: str) -> float:
         return got[(name, m | frozenset(labels.items()))]
@@ -69,8 +69,31 @@ def test_render_uses_vllm_names_and_the_engine_figures() -> None:
 
 
 def test_render_without_figures_is_all_zero() -> None:
-    got = samples(render(EngineStats(), "m").decode())
-    assert got and all(v == 0 for v in got.values())
+    got = samples(render([(0, EngineStats())], "m").decode())
+    info = {k: v for k, v in got.items() if k[0] == "vllm:cache_config_info"}
+    assert info and all(v == 1 for v in info.values())
+    assert all(v == 0 for k, v in got.items() if k not in info)
+
+
+def test_every_engine_has_its_series_and_its_cache_config() -> None:
+    one = EngineStats(running=1, waiting=4, num_blocks=200, free_blocks=50, block_size=16)
+    two = EngineStats(running=2, num_blocks=100, free_blocks=100, block_size=32)
+    text = render([(0, one), (3, two)], "m").decode()
+    got = samples(text)
+
+    def value(name: str, engine: str) -> float:
+        return got[(name, frozenset({("model_name", "m"), ("engine", engine)}))]
+
+    assert [value("vllm:num_requests_running", e) for e in ("0", "3")] == [1, 2]
+    assert [value("vllm:num_requests_waiting", e) for e in ("0", "3")] == [4, 0]
+    assert value("vllm:kv_cache_usage_perc", "0") == pytest.approx(0.75)
+    assert value("vllm:kv_cache_usage_perc", "3") == 0
+    configs = {k[1] for k in got if k[0] == "vllm:cache_config_info"}
+    assert configs == {frozenset({("engine", "0"), ("block_size", "16"),
+                                  ("num_gpu_blocks", "200")}),
+                       frozenset({("engine", "3"), ("block_size", "32"),
+                                  ("num_gpu_blocks", "100")})}
+    assert text.count("# TYPE vllm:num_requests_running gauge") == 1  # one family, two series
 
 
 def test_histogram_buckets_are_upper_inclusive() -> None:
