@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 PINNED_RANK: ContextVar[int | None] = ContextVar("tandem_pinned_rank", default=None)
 WATCH_S = 0.1  # how often engines' health is looked at (a dead one's blocks forgotten)
 RETRY_S = 1.0  # between handshakes with an engine that did not answer yet
+STRAGGLER_S = 2.0  # once one engine answered, how long start() waits for the others
 _FACTS = ("model", "tokenizer", "max_model_len", "vocab_size", "eos_token_ids")
 
 ClientFactory = Callable[[str], EngineClient]
@@ -123,8 +124,9 @@ class EngineGroup:
                 if e.client is not None and e.client.healthy]
 
     async def start(self) -> wire.Ready:
-        """Handshake with every engine; returns once one has answered (the others join when
-        they do). Raises EngineUnavailableError when none answers."""
+        """Handshake with every engine; returns once all have answered, or one has and the
+        others took STRAGGLER_S more (they join when they answer). Raises
+        EngineUnavailableError when none answers."""
         attempts = [asyncio.create_task(self._handshake(e)) for e in self._engines]
         pending: set[asyncio.Task[bool]] = set(attempts)
         try:
@@ -134,6 +136,8 @@ class EngineGroup:
             for task in attempts:
                 task.cancel()
             raise
+        if pending and self._ready is not None:  # the others, unless they keep it waiting
+            _, pending = await asyncio.wait(pending, timeout=STRAGGLER_S)
         if self._ready is None:
             raise EngineUnavailableError(self._last_error if self._single else
                                          "no engine answered: " + ", ".join(

@@ -6,6 +6,10 @@ logprobs (the sampled token first in its top-k, rank 1). It honours max_tokens (
 only, finish "length", prompt logprobs if asked), stop_token_ids, EOS unless ignore_eos, and
 aborts; prompts longer than `error_prompt_len` finish with "error". `stop()` kills it
 (silence, as a dead process would be); `added`/`aborted` record what the frontend sent.
+
+For data-parallel tests it has a rank, answers pings with its queue's load (`load`, when set,
+stands in for it), and with `kv_events` publishes each added prompt's full blocks as a real
+engine's block manager would (BlockStored with the shared hash chain, vLLM's wire format).
 """
 
 from __future__ import annotations
@@ -22,9 +26,13 @@ from typing import Any
 import numpy as np
 import zmq
 
+from shared.block_hash import chain_hashes
+from shared.kv_events import BlockStored, parse_kv_events_config
+from shared.kv_publisher import KvEventPublisher
 from shared.messages import (
     AbortRequest,
     AddRequest,
+    EngineLoad,
     EngineStats,
     Finished,
     FinishReason,
@@ -116,8 +124,13 @@ class FakeEngine:
         step_delay: float = 0.002,
         error_prompt_len: int | None = None,
         model: str = "fake-model",
+        rank: int = 0,
+        kv_events: bool = False,
+        block_size: int = 16,
     ) -> None:
-        self.ready = Ready(model, tokenizer_folder(), max_model_len, 128256, [EOS], BOS, 1)
+        self.ready = Ready(model, tokenizer_folder(), max_model_len, 128256, [EOS], BOS, 1,
+                           data_parallel_rank=rank, block_size=block_size)
+        self.load: int | None = None  # the queue length pings report (None: what runs)
         self.step_delay = step_delay
         self.error_prompt_len = error_prompt_len
         self.added: list[AddRequest] = []
@@ -131,6 +144,15 @@ class FakeEngine:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._in, self._out = InputCodec(), OutputCodec()
+        self.events: KvEventPublisher | None = None
+        if kv_events:
+            folder = tempfile.mkdtemp(prefix="tandem-kv-")
+            config = parse_kv_events_config(
+                f'{{"enable_kv_cache_events": true, "endpoint": "ipc://{folder}/pub", '
+                f'"replay_endpoint": "ipc://{folder}/replay"}}')
+            self.events = KvEventPublisher(config, rank, self._ctx)
+            self.ready.kv_events_endpoint = self.events.endpoint
+            self.ready.kv_events_replay = self.events.replay_endpoint
 
     def start(self) -> FakeEngine:
         self._thread.start()
@@ -141,6 +163,8 @@ class FakeEngine:
         self._stopping.set()
         self._thread.join()
         self._sock.close(linger=0)
+        if self.events is not None:
+            self.events.close()
         self._ctx.term()
 
     def _loop(self) -> None:
@@ -164,6 +188,7 @@ class FakeEngine:
             prompt = read_ints(msg.prompt_token_ids)
             source = [t for t in prompt if t != BOS] or prompt
             self.running[msg.request_id] = _Running(identity, msg, source)
+            self._publish_blocks(prompt)
         elif isinstance(msg, (AbortRequest, StopRequest)):  # Stop: aborted for a stop string
             self.aborted.extend(msg.request_ids)
             for rid in msg.request_ids:
@@ -173,9 +198,19 @@ class FakeEngine:
                 stats = EngineStats(running=len(self.running), num_requests=len(self.running))
                 self._send(identity, UtilityResult(msg.call_id, stats))
             elif msg.method == "ping":
-                self._send(identity, UtilityResult(msg.call_id))
+                load = EngineLoad(len(self.running) if self.load is None else self.load)
+                self._send(identity, UtilityResult(msg.call_id, load=load))
             else:
                 self._send(identity, UtilityResult(msg.call_id, error=f"unknown {msg.method}"))
+
+    def _publish_blocks(self, prompt: list[int]) -> None:
+        if self.events is None:
+            return
+        size = self.ready.block_size
+        hashes = chain_hashes(prompt, size)
+        if hashes:
+            self.events.publish([BlockStored(hashes, None, prompt[:len(hashes) * size], size,
+                                             None, "GPU", None)])
 
     def _step(self) -> None:
         steps: dict[bytes, _Step] = {}
