@@ -63,11 +63,16 @@ def read(frames: list[bytes]) -> tuple[bytes, int, KVEventBatch]:
 
 
 def replay(ctx: zmq.Context, address: str, start: int,  # type: ignore[type-arg]
-           timeout_ms: int = 5000) -> list[tuple[int, KVEventBatch]]:
+           timeout_ms: int = 5000, curve: Any = None) -> list[tuple[int, KVEventBatch]]:
     """Ask the replay socket for every batch from `start`, as vLLM's example subscriber does
-    (a REQ-style envelope from a DEALER, since the answer is several messages)."""
+    (a REQ-style envelope from a DEALER, since the answer is several messages). `curve`:
+    Tandem's client keys, for an engine started with --curve-keys."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        from shared.curve import secure_client
+
+        secure_client(sock, curve)
     sock.connect(address)
     sock.send_multipart([b"", start.to_bytes(8, "big")])
     got = []

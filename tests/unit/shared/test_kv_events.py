@@ -11,7 +11,9 @@ import pytest
 import zmq
 
 from engine_core.sched.block_manager import BlockManager
+from frontend.cli import main as tandem
 from shared.block_hash import chain_hashes
+from shared.curve import client_keys, secure_client, secure_server
 from shared.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -162,3 +164,44 @@ def test_a_full_queue_drops_without_blocking_and_counts(
     for _ in range(3):
         pub.publish([AllBlocksCleared()])
     assert pub.dropped == 2 and time.monotonic() - started < 0.5
+
+
+def test_with_curve_keys_only_key_holders_get_the_events_and_the_replay(
+        ctx: zmq.Context, tmp_path: Path) -> None:  # type: ignore[type-arg]
+    assert tandem(["keys", str(tmp_path / "keys")]) == 0
+    keys = tmp_path / "keys"
+    router = ctx.socket(zmq.ROUTER)
+    auth = secure_server(ctx, router, keys)  # the engine's own socket starts the authenticator
+    try:
+        pub_port, replay_port = (router.bind_to_random_port("tcp://127.0.0.1") for _ in "ab")
+        router.unbind(f"tcp://127.0.0.1:{pub_port}")
+        router.unbind(f"tcp://127.0.0.1:{replay_port}")
+        config = parse_kv_events_config(
+            f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{pub_port}", '
+            f'"replay_endpoint": "tcp://*:{replay_port}"}}')
+        pub = KvEventPublisher(config, rank=0, ctx=ctx, curve_keys=keys)
+        subs = {}
+        for name, curve in (("keyed", client_keys(keys)), ("open", None)):
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            if curve is not None:
+                secure_client(sub, curve)
+            sub.connect(f"tcp://127.0.0.1:{pub_port}")
+            subs[name] = sub
+        time.sleep(0.5)
+        pub.publish([AllBlocksCleared()])
+        assert subs["keyed"].poll(5000)
+        assert vllm.read(subs["keyed"].recv_multipart())[2].events == [vllm.AllBlocksCleared()]
+        assert not subs["open"].poll(500)
+        with pytest.raises(TimeoutError):
+            vllm.replay(ctx, f"tcp://127.0.0.1:{replay_port}", 0, timeout_ms=500)
+        replayed = vllm.replay(ctx, f"tcp://127.0.0.1:{replay_port}", 0,
+                               curve=client_keys(keys))
+        assert [seq for seq, _ in replayed] == [0]
+        for sub in subs.values():
+            sub.close()
+        pub.close()
+    finally:
+        auth.stop()
+        router.close()
