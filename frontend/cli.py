@@ -36,7 +36,7 @@ from shared.curve import (
     server_keys,
 )
 from shared.engine_args import add_engine_args, check_engine_args, engine_argv
-from shared.kv_events import config_json, parse_kv_events_config
+from shared.kv_events import KvEventsConfig, config_json, parse_kv_events_config, rank_endpoint
 from shared.messages import Hello, Ready, StepProgress, UtilityRequest, UtilityResult
 from shared.transport import InputCodec, OutputCodec, configure, is_stalled, new_identity
 
@@ -190,6 +190,8 @@ class Launcher:
         engine_args = argparse.Namespace(**vars(self.args))
         own = (None if self.args.kv_events_config is None
                else parse_kv_events_config(self.args.kv_events_config))
+        if own is not None and own.enabled:
+            _check_event_ports(own, len(self.places))
         if len(self.places) > 1 and (own is None or not own.enabled):
             folder = self.tmp.name
             engine_args.kv_events_config = config_json(msgspec.structs.replace(
@@ -468,6 +470,23 @@ class EngineWatch:
 
 def _curve_argv(args: argparse.Namespace) -> list[str]:
     return [] if args.curve_keys is None else ["--curve-keys", args.curve_keys]
+
+
+def _check_event_ports(config: KvEventsConfig, size: int) -> None:
+    """Every rank's event and replay addresses (the ports plus the rank) must differ."""
+    taken: dict[str, str] = {}
+    for rank in range(size):
+        for role, base in (("endpoint", config.endpoint), ("replay_endpoint",
+                                                          config.replay_endpoint)):
+            if base is None:
+                continue
+            address = rank_endpoint(base, rank)
+            if address in taken:
+                raise PlacementError(
+                    f"--kv-events-config: rank {rank}'s {role} {address} is also "
+                    f"{taken[address]}; each rank adds its rank to the ports, so put the replay "
+                    f"port at least {size} above the endpoint's")
+            taken[address] = f"rank {rank}'s {role}"
 
 
 def _rank_note(places: list[EnginePlace], rank: int) -> str:

@@ -61,6 +61,7 @@ class _Engine:
         self.client: EngineClient | None = None  # None until its handshake succeeded
         self.feed: KvEventFeed | None = None
         self.feed_task: asyncio.Task[None] | None = None
+        self.resync: asyncio.Task[None] | None = None  # relearning its blocks after a silence
         self.was_healthy = False
         self.published: wire.EngineLoad | None = None  # the load figure last taken into account
         self.sent = 0  # requests sent since that figure
@@ -149,7 +150,8 @@ class EngineGroup:
         return self._ready
 
     async def close(self) -> None:
-        for task in self._tasks + [e.feed_task for e in self._engines if e.feed_task]:
+        for task in self._tasks + [t for e in self._engines for t in (e.feed_task, e.resync)
+                                   if t is not None]:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(e.client.close() for e in self._engines if e.client is not None))
@@ -292,8 +294,8 @@ class EngineGroup:
         engine.feed_task = asyncio.create_task(engine.feed.run())
 
     async def _watch(self) -> None:
-        """An engine that stopped serving loses its place in the index at once; one that
-        serves again starts from an empty cache (a new engine at the same address)."""
+        """An engine that stopped serving loses its place in the index at once; when it serves
+        again its feed relearns its blocks (the replay buffer's, or none: a new engine)."""
         while True:
             await asyncio.sleep(WATCH_S)
             for e in self._engines:
@@ -303,9 +305,12 @@ class EngineGroup:
                 e.was_healthy = serving
                 if e.feed is not None:
                     e.feed.forget()
+                    if serving:
+                        e.resync = asyncio.create_task(e.feed.resync())
                 if serving:
-                    logger.warning("engine %d at %s serves again; it takes requests with an "
-                                   "empty cache", e.rank, e.address)
+                    logger.warning("engine %d at %s serves again; what it caches is learned "
+                                   "anew from its events (a new engine's cache is empty)",
+                                   e.rank, e.address)
                 else:
                     logger.error("engine %d at %s stopped answering; requests go to the "
                                  "others", e.rank, e.address)

@@ -106,6 +106,11 @@ class KvEventFeed:
         self.index.clear(self.rank)
         self.last_seq = -1
 
+    async def resync(self) -> None:
+        """Catch up from the replay buffer now (an engine that answers again after a silence
+        keeps its cache, and may publish nothing more for a while)."""
+        await self._catch_up(self.last_seq + 1)
+
     async def run(self) -> None:
         sub = self._socket(zmq.SUB, self.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, b"")

@@ -147,10 +147,12 @@ def report(outcomes: list[Outcome], ideal: float) -> None:
     for o in outcomes:
         print(f"{o.label:<34} {o.hit_rate:8.3f} {o.hit_rate / ideal:8.2f} "
               f"{o.ttft_p50_ms:8.0f}ms {o.ttft_p99_ms:6.0f}ms {o.failed:>5}")
-    base = next((o for o in outcomes if o.label.startswith("two servers")), None)
-    aware = next((o for o in outcomes if o.label.startswith("cache-aware")), None)
-    if base and aware and base.hit_rate:
-        print(f"cache-aware / two servers round robin: {aware.hit_rate / base.hit_rate:.2f}x")
+    bases = [o for o in outcomes if o.label.startswith("two servers")]
+    aware = [o for o in outcomes if o.label.startswith("cache-aware")]
+    for number, (a, b) in enumerate(zip(aware, bases, strict=False), 1):  # same prompts
+        if b.hit_rate:
+            print(f"round {number}: cache-aware / two servers round robin: "
+                  f"{a.hit_rate / b.hit_rate:.2f}x")
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -131,6 +131,7 @@ class FakeEngine:
         self.ready = Ready(model, tokenizer_folder(), max_model_len, 128256, [EOS], BOS, 1,
                            data_parallel_rank=rank, block_size=block_size)
         self.load: int | None = None  # the queue length pings report (None: what runs)
+        self.silent = False  # True: pings go unanswered (a stalled or partitioned engine)
         self.step_delay = step_delay
         self.error_prompt_len = error_prompt_len
         self.added: list[AddRequest] = []
@@ -197,6 +198,8 @@ class FakeEngine:
             if msg.method == "stats":
                 stats = EngineStats(running=len(self.running), num_requests=len(self.running))
                 self._send(identity, UtilityResult(msg.call_id, stats))
+            elif msg.method == "ping" and self.silent:
+                pass
             elif msg.method == "ping":
                 load = EngineLoad(len(self.running) if self.load is None else self.load)
                 self._send(identity, UtilityResult(msg.call_id, load=load))

@@ -44,3 +44,16 @@ def test_more_engines_than_gpus_is_a_start_up_error(tmp_path: Path) -> None:
         plan(4, "ipc:///e", "auto", env={"CUDA_VISIBLE_DEVICES": "0"}, cpus=[0])
     no_gpu = plan(2, "ipc:///e", "auto", env={}, cpus=[0, 1], driver=tmp_path / "none")
     assert [p.cuda_device for p in no_gpu] == [None, None]
+
+
+def test_event_ports_two_ranks_would_share_are_a_usage_error(capsys) -> None:
+    from frontend.cli import main
+
+    config = ('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+              '"replay_endpoint": "tcp://*:5558"}')
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--data-parallel-size", "2", "--device", "cpu",
+              "--kv-events-config", config])
+    assert exc.value.code == 2
+    assert "rank 1's endpoint tcp://*:5558 is also rank 0's replay_endpoint" in (
+        capsys.readouterr().err)

@@ -183,3 +183,17 @@ async def test_a_dead_engine_leaves_routing_and_fails_only_its_own_requests(
         group.add("pinned-to-the-dead", prompt(8), FAST)
     PINNED_RANK.reset(token)
     assert group.healthy
+
+
+async def test_an_engine_silent_for_a_while_is_relearned_from_its_replay(
+        group: EngineGroup, engines: list[FakeEngine]) -> None:
+    PINNED_RANK.set(1)
+    group.add("cached", prompt(9), FAST)
+    PINNED_RANK.set(None)
+    await until(lambda: group.index.blocks[1] >= 4)
+    engines[1].silent = True
+    await until(lambda: not group.clients[1][1].healthy and group.index.blocks[1] == 0)
+    engines[1].silent = False  # it kept its cache, and publishes nothing new
+    await until(lambda: group.index.blocks[1] >= 4)
+    group.add("back", prompt(9, suffix=2), FAST)
+    assert await served_by(engines, "back") == 1
