@@ -17,7 +17,6 @@ rank binds the endpoint's port plus its rank (`rank_endpoint`), as vLLM does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -153,11 +152,3 @@ def seq_bytes(seq: int) -> bytes:
 
 def read_seq(frame: bytes | Any) -> int:
     return int.from_bytes(bytes(frame), "big", signed=True)
-
-
-@dataclass(frozen=True)
-class EventEndpoints:
-    """Where one engine publishes (as bound) and answers replays; the Ready message carries it."""
-
-    publish: str
-    replay: str | None
