@@ -266,6 +266,11 @@ class EngineGroup:
         engine.was_healthy = True
         if not self._single and ready.kv_events_endpoint is not None:
             self._start_feed(engine, ready)
+        elif not self._single:
+            logger.warning("engine %d at %s publishes no KV-cache events this frontend can "
+                           "subscribe to (start it with --kv-events-config binding an "
+                           "endpoint): it is routed to by load only", engine.rank,
+                           engine.address)
         return True
 
     async def _join_later(self, engine: _Engine, first: asyncio.Task[bool]) -> None:
