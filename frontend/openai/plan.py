@@ -141,7 +141,7 @@ def plan_request(
             index = i * req.n + j
             params = sampling.params_for(budget, j)
             processor = ChoiceProcessor(
-                served.tokenizer, prompt, sampling.options, served.token_text
+                served.tokenizer, prompt, sampling.options, served.token_text, served.pieces
             )
             plan.choices.append(ChoiceState(index, f"{plan.id}-{index}", prompt, params, processor))
     if request_log.isEnabledFor(logging.INFO):  # --enable-log-requests
@@ -187,6 +187,7 @@ def read_sampling(req: SamplingRequest, api: ApiFields, served: ServedModel) -> 
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         return_tokens_as_token_ids=api.return_tokens_as_token_ids,
+        generated_tokens=api.logprobs is not None,  # chat's logprobs are built from them
     )
     return SamplingPlan(params, options, api.max_tokens, req.min_tokens, req.seed,
                         None if constraint is None else constraint.param)

@@ -18,6 +18,7 @@ import msgspec
 from frontend.errors import OpenAIError, bad_request
 from frontend.openai.protocol import ModelCard
 from frontend.openai.protocol_chat import ChatMessage, ContentPart, check_messages
+from frontend.text.byte_pieces import BytePieces
 from frontend.text.logprob_text import TokenTextCache
 from shared.messages import Ready
 
@@ -37,6 +38,7 @@ class ServedModel:
         # ids both sides know: a tokenizer may pad its vocabulary, a model may pad its head
         self.vocab_size = min(len(tokenizer), engine_vocab_size)
         self.token_text = TokenTextCache(tokenizer)  # shared by every request
+        self.pieces = BytePieces.of(tokenizer)  # the detokenizer's fast path, when it applies
 
     @classmethod
     def from_ready(cls, tokenizer: Any, ready: Ready, name: str | None = None) -> ServedModel:

@@ -65,12 +65,13 @@ class TokenTextCache:
 
     def get(self, token_id: int) -> str:
         """The logprob string of `token_id` (decoded alone, or bytes:... when not text)."""
-        if not 0 <= token_id < len(self._cache):
-            return self._compute(token_id)
-        text = self._cache[token_id]
-        if text is None:
-            text = self._cache[token_id] = self._compute(token_id)
-        return text
+        cache = self._cache
+        if 0 <= token_id < len(cache):
+            text = cache[token_id]
+            if text is None:
+                text = cache[token_id] = self._compute(token_id)
+            return text
+        return self._compute(token_id)
 
     def _compute(self, token_id: int) -> str:
         text: str = self._tokenizer.decode([token_id], skip_special_tokens=False)

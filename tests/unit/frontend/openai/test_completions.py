@@ -262,3 +262,27 @@ async def wait_for(condition: Callable[[], bool], timeout: float = 2.0) -> None:
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("with_logprobs", [False, True])
+@pytest.mark.parametrize("finish", [(None, None), ("stop", "\n"), ("stop", 7), ("length", None)])
+@pytest.mark.parametrize("usage", [None, (3, 4)])
+def test_chunk_template_bytes_are_msgspecs_encoding(
+    with_logprobs: bool, finish: tuple[str | None, str | int | None], usage: tuple[int, int] | None
+) -> None:
+    import msgspec
+
+    from frontend.openai.completions import ChunkTemplate, to_choice
+    from frontend.openai.protocol import CompletionStreamChunk, Usage
+    from frontend.text.output_processor import ChoiceDelta
+
+    delta = ChoiceDelta('a "quoted" \\ 你好 🎉\n', tokens=["a", "bytes:\\xe4"],
+                        token_logprobs=[None, -0.5], top_logprobs=[None, {"x": -0.5, "y": -2.0}],
+                        text_offset=[0, 3], finish_reason=finish[0], stop_reason=finish[1])
+    counts = None if usage is None else Usage.of(*usage)
+    template = ChunkTemplate("cmpl-\u00e9x", 1700000000, 'm"odel', with_logprobs)
+    for index in (0, 3, 0):
+        expected = msgspec.json.encode(CompletionStreamChunk(
+            "cmpl-\u00e9x", 1700000000, 'm"odel', [to_choice(index, [delta], with_logprobs)],
+            counts))
+        assert template.chunk(index, delta, counts) == expected
