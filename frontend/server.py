@@ -308,10 +308,6 @@ def ssl_context(config: FrontendConfig) -> ssl.SSLContext | None:
 
 
 def run_frontend(config: FrontendConfig) -> None:
-    if os.environ.get("TANDEM_UVLOOP"):
-        import uvloop
-        uvloop.run(serve(config))
-        return
     asyncio.run(serve(config))
 
 
