@@ -56,6 +56,15 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--disable-log-requests", {
         "action": "store_true", "help": "no-op: requests are not logged unless "
                                         "--enable-log-requests"}),
+    ("--stream-interval", {
+        "type": int, "default": 1,
+        "help": "streamed tokens per chunk: a choice's first output goes at once, then its "
+                "text waits for this many tokens (or its end); 1 sends each as it comes"}),
+)
+# For tests only (no help shown): every stream waits for this many engine steps before it
+# writes, so that the merged chunks of a stream that fell behind are what the tests see.
+_TEST_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--merge-steps", {"type": int, "default": 1, "help": argparse.SUPPRESS}),
 )
 
 
@@ -82,6 +91,8 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     limits = parser.add_argument_group("frontend HTTP limits (Tandem's names)")
     for flag, kwargs in _LIMIT_FLAGS:
         limits.add_argument(flag, **kwargs)
+    for flag, kwargs in _TEST_FLAGS:
+        parser.add_argument(flag, **kwargs)
 
 
 def check_frontend_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -95,12 +106,14 @@ def check_frontend_args(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error("--max-request-body-bytes must be positive")
     if min(args.http_read_timeout, args.http_write_timeout) <= 0:
         parser.error("--http-read-timeout and --http-write-timeout must be positive")
+    if min(args.stream_interval, args.merge_steps) < 1:
+        parser.error("--stream-interval must be at least 1")
 
 
 def frontend_argv(args: argparse.Namespace) -> list[str]:
     """The frontend flags of parsed `args`, as a frontend command line takes them."""
     argv: list[str] = []
-    for flag, kwargs in _FLAGS + _LIMIT_FLAGS:
+    for flag, kwargs in _FLAGS + _LIMIT_FLAGS + _TEST_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
         if kwargs.get("action") == "store_true":
             argv += [flag] if value else []

@@ -33,6 +33,7 @@ from frontend.cors import cors_middleware
 from frontend.engine.client import EngineClient, EngineUnavailableError
 from frontend.errors import Handler, OpenAIError, error_middleware
 from frontend.http_limits import HTTP_LIMITS, HttpLimits, body_limit, body_middleware
+from frontend.memory import MemoryTrimmer
 from frontend.metrics import CONTENT_TYPE, render
 from frontend.openai.chat import ServingChat
 from frontend.openai.completions import ServingCompletions
@@ -44,7 +45,12 @@ from frontend.openai.served_model import (
     template_reads_tools,
     use_chat_template,
 )
-from frontend.openai.serving import RETRY_AFTER_S, json_response
+from frontend.openai.serving import (
+    RETRY_AFTER_S,
+    STREAMING,
+    StreamingOptions,
+    json_response,
+)
 from frontend.openai.tokens import ServingTokens
 from frontend.options import add_frontend_args, check_frontend_args
 from frontend.text.tokenizer import load_tokenizer
@@ -87,6 +93,8 @@ class FrontendConfig:
     http_log_level: str = "info"  # aiohttp's own loggers
     log_requests: bool = False  # a line per request: id, prompt length, parameters
     curve: ClientKeys | None = None  # CURVE keys for the engine socket (shared/curve.py)
+    stream_interval: int = 1  # streamed tokens per chunk (vLLM's --stream-interval)
+    merge_steps: int = 1  # tests only: engine steps each stream waits for before it writes
 
     @property
     def auto_tool_parser(self) -> str | None:
@@ -100,6 +108,7 @@ SERVED = web.AppKey("served", ServedModel)
 COMPLETIONS = web.AppKey("completions", ServingCompletions)
 CHAT = web.AppKey("chat", ServingChat)
 TOKENS = web.AppKey("tokens", ServingTokens)
+TRIMMER = web.AppKey("trimmer", MemoryTrimmer)
 FRONTEND_ID = f"{socket.gethostname()}:{os.getpid()}"
 
 
@@ -111,6 +120,7 @@ def init_app(
                            config.allowed_headers, config.allow_credentials)
     app = web.Application(middlewares=[cors, error_middleware, auth_middleware, body_middleware])
     app[CONFIG] = config
+    app[TRIMMER] = MemoryTrimmer()
     app.cleanup_ctx.append(partial(engine_context, tokenizer_loader=tokenizer_loader))
     app.on_response_prepare.append(add_frontend_header)
     app.on_response_prepare.append(add_retry_after)
@@ -146,6 +156,7 @@ async def engine_context(
         tokenizer = await asyncio.get_running_loop().run_in_executor(
             None, tokenizer_loader, ready.tokenizer
         )
+        app[TRIMMER].trim()  # what loading tokenizer.json peaked at (frontend/memory.py)
         if config.chat_template is not None:
             use_chat_template(tokenizer, config.chat_template)
         if config.auto_tool_parser and not template_reads_tools(tokenizer):
@@ -159,6 +170,7 @@ async def engine_context(
         app[HTTP_LIMITS] = HttpLimits(
             body_limit(ready.max_model_len, config.max_request_body_bytes),
             config.http_read_timeout, config.http_write_timeout)
+        app[STREAMING] = StreamingOptions(config.stream_interval, config.merge_steps)
         app[COMPLETIONS] = ServingCompletions(client, served)
         app[CHAT] = ServingChat(client, served, config.auto_tool_parser, config.response_role)
         app[TOKENS] = ServingTokens(served, ready.tokenizer)
@@ -370,6 +382,8 @@ def parse_args(argv: list[str] | None = None) -> FrontendConfig:
         http_read_timeout=args.http_read_timeout,
         http_write_timeout=args.http_write_timeout,
         curve=curve,
+        stream_interval=args.stream_interval,
+        merge_steps=args.merge_steps,
     )
 
 
