@@ -33,7 +33,7 @@ from frontend.cors import cors_middleware
 from frontend.engine.client import EngineClient, EngineUnavailableError
 from frontend.errors import Handler, OpenAIError, error_middleware
 from frontend.http_limits import HTTP_LIMITS, HttpLimits, body_limit, body_middleware
-from frontend.memory import MemoryTrimmer
+from frontend.memory import MemoryTrimmer, settle_gc
 from frontend.metrics import CONTENT_TYPE, render
 from frontend.openai.chat import ServingChat
 from frontend.openai.completions import ServingCompletions
@@ -280,6 +280,7 @@ async def serve(config: FrontendConfig) -> None:
     logging.getLogger(REQUEST_LOG).setLevel(request_level)
     runner = web.AppRunner(init_app(config), **runner_options(config))
     await runner.setup()  # connects to the engine; raises if it does not answer
+    settle_gc()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

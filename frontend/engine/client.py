@@ -28,7 +28,7 @@ from frontend.engine.stream import OutputStream, StepItem
 from shared import messages as wire
 from shared.curve import ClientKeys, secure_client
 from shared.messages import FinishReason
-from shared.step_outputs import OutputRow, unpack_step
+from shared.step_outputs import TokenLogprob, prompt_rows, token_logprobs
 from shared.transport import (
     DEFAULT_STALL_FLOOR_S,
     InputCodec,
@@ -257,16 +257,25 @@ class EngineClient:
                     entry[0].put(rid, item(StepItem, (entry[1], token, None, None, None, None,
                                                       None)))
             return
-        for row in unpack_step(out):
-            self._route_row(row)
+        logprobs = token_logprobs(out)
+        prompts = {p.index: p for p in out.prompt_logprobs}
+        finished = {f.index: f for f in out.finished}
+        for i, rid in enumerate(out.req_ids):  # shared.step_outputs.unpack_step, inlined
+            fin, plp, token = finished.get(i), prompts.get(i), tokens[i]
+            if token < 0 and fin is None and plp is None:
+                continue
+            entry = requests.get(rid)
+            if entry is None:
+                continue
+            logprob = logprobs[i] if logprobs is not None and token >= 0 else None
+            self._route_row(rid, entry, token if token >= 0 else None, logprob,
+                            None if plp is None else prompt_rows(plp), fin)
 
-    def _route_row(self, row: OutputRow) -> None:
-        rid, fin = row.request_id, row.finish
-        entry = self._requests.get(rid)
-        if entry is None:
-            return
+    def _route_row(self, rid: str, entry: tuple[OutputStream, int], token: int | None,
+                   logprob: TokenLogprob | None, prompt_logprobs: list[TokenLogprob] | None,
+                   fin: wire.Finished | None) -> None:
         stream, choice = entry
-        self.latency.on_output(rid, row.token_id is not None, fin.reason if fin else None)
+        self.latency.on_output(rid, token is not None, fin.reason if fin else None)
         if fin is not None and fin.reason is FinishReason.OVERLOADED:
             del self._requests[rid]
             stream.close(rid)
@@ -275,7 +284,7 @@ class EngineClient:
             return
         if fin is not None:
             del self._requests[rid]
-        stream.put(rid, StepItem(choice, row.token_id, row.logprob, row.prompt_logprobs,
+        stream.put(rid, StepItem(choice, token, logprob, prompt_logprobs,
                                  fin.reason if fin else None,
                                  fin.stop_token_id if fin else None,
                                  fin.message if fin else None))

@@ -187,7 +187,8 @@ def read_sampling(req: SamplingRequest, api: ApiFields, served: ServedModel) -> 
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         return_tokens_as_token_ids=api.return_tokens_as_token_ids,
-        generated_tokens=api.logprobs is not None,  # chat's logprobs are built from them
+        # chat's logprobs are built from the generated tokens, completions' from the entries
+        generated_tokens=api.logprobs is not None and not api.logprob_entries,
     )
     return SamplingPlan(params, options, api.max_tokens, req.min_tokens, req.seed,
                         None if constraint is None else constraint.param)

@@ -10,7 +10,7 @@ that carry bytes.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -72,6 +72,17 @@ class TokenTextCache:
                 text = cache[token_id] = self._compute(token_id)
             return text
         return self._compute(token_id)
+
+    def strings(self, token_ids: Sequence[int]) -> list[str]:
+        """`get` of each id (for a row of top alternatives, at the cost of one lookup)."""
+        cache = self._cache
+        try:
+            found = [cache[i] for i in token_ids]
+        except (IndexError, TypeError):  # an id outside the vocabulary (or not an int)
+            return [self.get(int(i)) for i in token_ids]
+        if None in found:
+            return [self.get(int(i)) for i in token_ids]
+        return found  # type: ignore[return-value]  # no None left
 
     def _compute(self, token_id: int) -> str:
         text: str = self._tokenizer.decode([token_id], skip_special_tokens=False)

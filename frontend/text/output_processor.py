@@ -212,7 +212,8 @@ class ChoiceProcessor:
             if finish_reason == "stop" and not self._options.include_stop_str_in_output:
                 self._generated_text(self._detok.flush())  # the terminator comes after it all
                 if self._entries_wanted:
-                    generated = GeneratedToken(token_id, logprob, terminator=True)
+                    generated = (GeneratedToken(token_id, logprob, terminator=True)
+                                 if self._options.generated_tokens else None)
                     self._queue(token_id, logprob, self._produced, generated)
             elif not self._entries_wanted:
                 text = self._detok.add(token_id)
@@ -220,7 +221,8 @@ class ChoiceProcessor:
                     self._generated_text(text)
             else:
                 produced, text = self._produced, self._detok.add(token_id)
-                generated = GeneratedToken(token_id, logprob, terminator=False)
+                generated = (GeneratedToken(token_id, logprob, terminator=False)
+                             if self._options.generated_tokens else None)
                 self._queue(token_id, logprob, produced + self._detok.last_token_start, generated)
                 self._generated_text(text)
         if finish_reason is not None:
@@ -261,26 +263,35 @@ class ChoiceProcessor:
         generated: GeneratedToken | None,
     ) -> None:
         """Queue the token's entry; `offset` is where its text starts in `full`."""
-        if self._options.logprobs is None:
+        k = self._options.logprobs
+        if k is None:
             self._entries.append(_Entry(generated, offset, None, None, None))
             return
-        token = self._token_string(token_id)
-        top = None if logprob is None else self._top_dict(token, logprob)
-        value = None if logprob is None else float(logprob.logprob)
-        self._entries.append(_Entry(generated, offset, token, value, top))
-
-    def _token_string(self, token_id: int) -> str:
         if self._options.return_tokens_as_token_ids:
-            return token_id_repr(token_id)
-        return self._token_text.get(token_id)
+            token = token_id_repr(token_id)
+        else:
+            token = self._token_text.get(token_id)
+        if logprob is None:
+            self._entries.append(_Entry(generated, offset, token, None, None))
+            return
+        value = float(logprob.logprob)
+        self._entries.append(_Entry(generated, offset, token, value, self._top_dict(
+            token, value, logprob.top_ids[:k], logprob.top_logprobs[:k])))
 
-    def _top_dict(self, token: str, logprob: TokenLogprob) -> dict[str, float]:
-        k = self._options.logprobs or 0
-        string = token_id_repr if self._options.return_tokens_as_token_ids else self._token_text.get
-        top: dict[str, float] = {}
-        for token_id, value in zip(logprob.top_ids[:k], logprob.top_logprobs[:k]):
-            top.setdefault(string(int(token_id)), float(value))
-        top.setdefault(token, float(logprob.logprob))
+    def _top_dict(self, token: str, value: float, ids: Sequence[int],
+                  values: Sequence[float]) -> dict[str, float]:
+        """The top alternatives by token string, the sampled token's added if not among
+        them; when two ids have the same string, the first (likelier) one's value counts."""
+        if self._options.return_tokens_as_token_ids:
+            keys = [token_id_repr(int(i)) for i in ids]
+        else:
+            keys = self._token_text.strings(ids)
+        top = dict(zip(keys, map(float, values)))
+        if len(top) < len(keys):  # a string twice: keep the first one's value
+            top = {}
+            for key, alternative in zip(keys, values):
+                top.setdefault(key, float(alternative))
+        top.setdefault(token, value)
         return top
 
     def delta(self) -> ChoiceDelta:
