@@ -57,7 +57,7 @@ class SSEWriter:
         self._writing_since: float | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._stalled = False
-        self._prepared = False
+        self._transport: asyncio.Transport | None = None  # once prepared
         self._chunked = False
 
     def encode(self, payload: Chunk) -> bytes:
@@ -74,16 +74,16 @@ class SSEWriter:
     def can_write_now(self) -> bool:
         """True when `write_now` may write: prepared, no write waiting, and the socket has
         taken everything written so far (a connection that closed cannot be written to)."""
-        transport = self.request.transport
-        return (self._prepared and self._writing_since is None and transport is not None
+        transport = self._transport  # once a connection's transport closes, it stays closing
+        return (self._writing_since is None and transport is not None
                 and not transport.is_closing() and not transport.get_write_buffer_size())
 
     def write_now(self, payloads: Sequence[bytes]) -> None:
         """Write events at once, without waiting (only when `can_write_now()`)."""
         if not payloads:
             return
-        transport = self.request.transport
-        assert transport is not None and self._prepared
+        transport = self._transport
+        assert transport is not None
         data = events(payloads)
         transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
 
@@ -109,7 +109,7 @@ class SSEWriter:
             self._watchdog = self._loop.call_later(self.write_timeout, self._check)
             await self._guarded(self.response.prepare(self.request))
             self._chunked = self.response.headers.get("Transfer-Encoding") == "chunked"
-            self._prepared = True
+            self._transport = self.request.transport
         await self._guarded(self.response.write(data))
 
     async def _guarded(self, write: Awaitable[Any]) -> None:

@@ -3,6 +3,7 @@
     .venv/bin/python tests/bench/frontend_only.py [--num-prompts 256] [--input-len 128]
         [--output-len 64] [--max-concurrency 64] [--frontends 1 2] [--repeats 1]
         [--no-echo-logprobs] [--engine-step-ms 0] [--frontend-args "--stream-interval 2"]
+        [--frontend-repo DIR]
 
 The figures issue 27 is judged by (one frontend, 5 ms engine steps, 256 streams x 128 tokens,
 64-token prompts; docs/benchmarks.md):
@@ -33,8 +34,10 @@ of its process from /proc over the timed round, divided by the completion tokens
 streamed; with several frontends, their sum), the client's TPOT p50 next to the engine's step
 interval (a frontend that keeps up streams at the step's pace), whether every character of
 text the no-op engine's tokens make reached the client (`text`: the streamed text's length
-against the length of the decoded outputs the engine was asked for), and each frontend's RSS
-after the run.
+against the length of the decoded outputs the engine was asked for), tokens per text chunk (above
+1 when a frontend fell behind and merged steps), and each frontend's RSS after the run.
+--frontend-repo runs the frontends from another checkout (the same engine, client and
+interpreter), so that a before/after pair is measured in the same conditions.
 
 One unmeasured warm-up run per group (short outputs, same concurrency) comes first. Printed per
 run: requests/s, streamed tokens/s, the ratio to 1 frontend, TTFT, ITL and end-to-end p50 (the
@@ -92,10 +95,10 @@ class Children:
         self.log_dir = log_dir
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
-    def start(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
+    def start(self, name: str, args: Sequence[str], cwd: Path = REPO) -> subprocess.Popen[bytes]:
         with open(self.log_dir / f"{name}.log", "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+                [sys.executable, *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT
             )
         self.procs.append((name, proc))
         return proc
@@ -213,6 +216,7 @@ class Row:
     cpu_other: float  # the rest of the machine (other processes) over the same window
     cpu_us_per_token: float  # the frontends' CPU seconds over the round / streamed tokens, in µs
     text_ok: bool  # the streamed text has every character the engine's tokens decode to
+    tokens_per_chunk: float  # streamed tokens over the text chunks that carried them
     rss_mb: tuple[float, ...]  # each frontend's VmRSS after the round
 
 
@@ -228,7 +232,8 @@ ECHO_LP = Workload("echo+lp5", echo=True, logprobs=5)
 
 
 def start_frontends(
-    children: Children, count: int, engine_address: str, log_dir: Path, extra: Sequence[str]
+    children: Children, count: int, engine_address: str, log_dir: Path, extra: Sequence[str],
+    repo: Path = REPO,
 ) -> tuple[int, list[tuple[str, subprocess.Popen[bytes]]]]:
     port = free_port()
     started = []
@@ -253,6 +258,7 @@ def start_frontends(
                 "warning",
                 *extra,
             ],
+            cwd=repo,
         )
         started.append((name, proc, ready))
     for name, proc, ready in started:
@@ -400,6 +406,7 @@ def measure(
         max(0.0, cpu["box"] - sum(v for name, v in cpu.items() if name != "box")),
         1e6 * fe_cpu_s / max(summary.output_tokens, 1),
         streamed == expected_chars,
+        summary.output_tokens / max(1, sum(len(r.text_times) for r in result.requests)),
         rss,
     )
 
@@ -413,7 +420,8 @@ def format_table(args: argparse.Namespace, rows: list[Row]) -> str:
         f"{'workload':<9} {'frontends':>9} {'req/s':>7} {'tok/s':>7} {'vs 1 FE':>7} "
         f"{'TTFT p50 ms':>11} {'ITL p50 ms':>10} {'E2E p50 ms':>10} {'ok':>5} "
         f"{'rows/msg':>8} {'CPU% FE':>9} {'engine':>6} {'client':>6} {'other':>5} "
-        f"{'FE us/tok':>9} {'TPOT p50':>8} {'step':>5} {'text':>4} {'RSS MB':>7}"
+        f"{'FE us/tok':>9} {'TPOT p50':>8} {'step':>5} {'tok/chunk':>9} {'text':>4} "
+        f"{'RSS MB':>7}"
     )
     lines = [
         (
@@ -439,7 +447,7 @@ def format_table(args: argparse.Namespace, rows: list[Row]) -> str:
             f"{row.rows_per_msg:>8.2f} {'+'.join(f'{c:.0f}' for c in row.cpu_frontends):>9} "
             f"{row.cpu_engine:>6.0f} {row.cpu_client:>6.0f} {row.cpu_other:>5.0f} "
             f"{row.cpu_us_per_token:>9.1f} {ms(s.tpot_ms, 2):>8} {args.engine_step_ms:>5g} "
-            f"{'ok' if row.text_ok else 'LOST':>4} "
+            f"{row.tokens_per_chunk:>9.2f} {'ok' if row.text_ok else 'LOST':>4} "
             f"{'+'.join(f'{m:.0f}' for m in row.rss_mb):>7}"
         )
     lines += [
@@ -449,7 +457,8 @@ def format_table(args: argparse.Namespace, rows: list[Row]) -> str:
         f"CPU%: of one core ({os.cpu_count()} cores) during the timed round: each frontend, "
         + "the engine, this process, other processes. rows/msg: requests per StepOutputs.",
         "FE us/tok: the frontends' CPU time (utime+stime) per streamed token. TPOT p50 (ms) "
-        + "against the engine's step (ms). text: every character arrived. RSS: after the run.",
+        + "against the engine's step (ms). tok/chunk: streamed tokens per text chunk (merging). "
+        + "text: every character arrived. RSS: after the run.",
         f"load average before the run: {args.load_before}; CPU: {cpu_model()}",
     ]
     return "\n".join(lines)
@@ -497,7 +506,7 @@ def run(args: argparse.Namespace, log_dir: Path, children: Children) -> list[Row
     # per workload, so that drift in the machine's other load hits them alike; an idle group
     # costs only its heartbeats.
     extra = args.frontend_args.split()
-    groups = [start_frontends(children, count, address, log_dir, extra)
+    groups = [start_frontends(children, count, address, log_dir, extra, args.frontend_repo)
               for count in args.frontends]
     for port, _ in groups:
         warm = bench_config(
@@ -557,6 +566,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--no-echo-logprobs", action="store_true", help="skip the echo + logprobs 5 workload"
     )
+    parser.add_argument(
+        "--frontend-repo", type=Path, default=REPO,
+        help="run the frontends from this checkout of Tandem (e.g. `git worktree add /tmp/base "
+             "main`), for before/after figures in the same conditions (default: this one)")
     parser.add_argument(
         "--frontend-args", default="",
         help='more flags for every frontend, as one string (e.g. "--stream-interval 2")')
