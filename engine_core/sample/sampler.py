@@ -16,7 +16,9 @@ Constrained rows (structured outputs) follow their grammars exactly: greedy = ar
 masked raw logits, a draw from softmax(masked logits / T); constrained_sampling.py
 does their grammar work, after the fast path's draws and before the general path's processing.
 Logprobs stay the raw model's (vLLM's default `logprobs_mode`, raw_logprobs): the masked
-distribution is not reported. A step without a constrained row does no grammar work at all.
+distribution is not reported. A step without a constrained row does no grammar work at all. A
+row counts as constrained once a grammar masks it (`Request.masked`): a request still thinking
+samples as an unconstrained one.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class _Plan(NamedTuple):
         skip = set(general)
         fast_sampled = [i for i, r in enumerate(reqs)
                         if r.params.temperature >= _GREEDY_EPS and i not in skip]
-        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        constrained = [i for i, r in enumerate(reqs) if r.masked]
         return _Plan(general, fast_sampled, [i for i in constrained if i not in skip],
                      [i for i in constrained if i in skip])
 

@@ -60,7 +60,7 @@ class SamplingBatch:
     penalty: Edits  # subtracted: frequency * count + presence, per output token
     logprob_rows: np.ndarray  # int64 rows that asked for logprobs
     top_logprobs: int  # the most top entries a logprob row asked for
-    constrained: list[int]  # rows with a grammar
+    constrained: list[int]  # rows a grammar masks (constrained, done thinking)
 
     @property
     def processed(self) -> bool:
@@ -89,7 +89,7 @@ class SamplingBatch:
             penalty=_penalty(reqs),
             logprob_rows=np.array(lp_rows, dtype=np.int64),
             top_logprobs=max((reqs[i].params.logprobs or 0 for i in lp_rows), default=0),
-            constrained=[i for i, r in enumerate(reqs) if r.grammar is not None],
+            constrained=[i for i, r in enumerate(reqs) if r.masked],
         )
 
 

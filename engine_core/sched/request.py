@@ -38,6 +38,9 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.grammar: RequestGrammar | None = None  # set by the scheduler when constrained
+        # A constrained request that thinks first: its grammar masks nothing until the output
+        # ends with params.reasoning_end (decided here, on token ids, as each token is appended).
+        self.thinking = bool(params.reasoning_end) and params.structured is not None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -55,9 +58,17 @@ class Request:
     def prefill_only(self) -> bool:
         return self.params.max_tokens == 0
 
+    @property
+    def masked(self) -> bool:
+        """A grammar masks this request's next token: it is constrained and done thinking."""
+        return self.grammar is not None and not self.thinking
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.thinking:
+            end = self.params.reasoning_end
+            self.thinking = self.output_token_ids[-len(end):] != end
 
     def reset_for_recompute(self) -> None:
         """After preemption: KV is gone; prompt + outputs are recomputed as one prompt (the

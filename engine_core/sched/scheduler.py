@@ -13,7 +13,9 @@ Constrained requests (structured outputs): `add` starts compiling the request's 
 (engine_core/structured/grammar.py, on a worker thread); the request waits, and others pass it,
 until the grammar is ready. A grammar that fails refuses its request (`take_refused`). The sampler
 advances the request's matcher with each token; a request whose grammar ended stops ("stop")
-whatever its stop tokens say.
+whatever its stop tokens say. A request that thinks first (`SamplingParams.reasoning_end`, sent
+by a frontend with a reasoning parser) is not masked until its output ends with the end of its
+thinking (`Request.masked`); its grammar starts at the token after it.
 """
 
 from __future__ import annotations
@@ -322,10 +324,11 @@ class Scheduler:
         self.stats.prompt_tokens += max(0, prompt_end - s.start)
 
     def _append(self, req: Request, token: int) -> Stop | None:
+        masked = req.masked  # the grammar chose this token (a thinking request's did not)
         req.append_token(token)
         self.stats.generation_tokens += 1
         stop = self.stop_rules.check(req, token)
-        if req.grammar is not None:
+        if masked:
             stop = _grammar_stop(req, token, stop)
         if stop is not None:
             self._finish(req, stop.reason)

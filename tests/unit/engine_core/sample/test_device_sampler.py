@@ -25,6 +25,7 @@ from tests.unit.engine_core.sample.test_sampler import (
     allowed_mask,
     constrained,
     constrained_logits,
+    thinking,
 )
 
 CPU = torch.device("cpu")
@@ -228,3 +229,10 @@ def test_profile_runs_the_costliest_step():
     link = CountingLink()
     device_sampler(weight, link=link).profile(hidden)
     assert link.downloads == 1
+
+
+def test_a_thinking_row_is_not_masked():
+    logits = constrained_logits()
+    reqs = thinking(2, "f+", temperature=0.0)
+    out = device_sampler(logits[:, None].clone())(None, torch.ones(2, 1), reqs)
+    assert out.token_ids.tolist() == [int(logits.argmax())] * 2
