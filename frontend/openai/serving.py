@@ -159,8 +159,10 @@ class SSEWriter:
         self.write_timeout = write_timeout
         self._encoder = msgspec.json.Encoder()
 
-    async def send(self, payload: msgspec.Struct) -> None:
-        await self._write(self._encoder.encode(payload))
+    async def send(self, payload: msgspec.Struct, event: str | None = None) -> None:
+        """One `data:` event; named by an `event:` line when given (the Responses API's)."""
+        head = b"" if event is None else b"event: " + event.encode() + b"\n"
+        await self._write(self._encoder.encode(payload), head)
 
     async def fail(self, error_json: bytes) -> web.StreamResponse:
         """Send an error event and end the stream (no [DONE])."""
@@ -170,14 +172,18 @@ class SSEWriter:
 
     async def done(self) -> web.StreamResponse:
         await self._write(b"[DONE]")
+        return await self.end()
+
+    async def end(self) -> web.StreamResponse:
+        """End the stream (after [DONE], or without it where the API sends none)."""
         await self._timed(self.response.write_eof())
         return self.response
 
-    async def _write(self, data: bytes) -> None:
+    async def _write(self, data: bytes, head: bytes = b"") -> None:
         if not self.started:
             self.started = True
             await self._timed(self.response.prepare(self.request))
-        await self._timed(self.response.write(b"data: " + data + b"\n\n"))
+        await self._timed(self.response.write(head + b"data: " + data + b"\n\n"))
 
     async def _timed(self, write: Awaitable[Any]) -> None:
         """A write waits while the client's socket buffers are full: at most write_timeout."""
