@@ -4,13 +4,16 @@ thinking part and an answer part, cut anywhere by max_tokens."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
 
-from frontend.server import init_app
+from frontend.options import add_frontend_args, frontend_argv
+from frontend.server import init_app, parse_args
 from frontend.text.tokenizer import load_tokenizer
+from shared.argv import normalize
 from shared.messages import read_ints
 from tests.unit.fake_engine import (
     FakeEngine,
@@ -186,3 +189,22 @@ async def test_a_template_that_renders_reasoning_gets_it(aiohttp_client: Any,
     tokenizer = cached_tokenizer(engine.ready.tokenizer)
     prompt = tokenizer.decode(read_ints(engine.added[-1].prompt_token_ids))
     assert prompt == "user:a;assistant:[thought|thought]b;"
+
+
+def test_the_flags_reach_the_frontend_config() -> None:
+    """From `tandem serve`'s command line to its frontends' (and `tandem frontend`'s), vLLM's
+    underscore spelling included; an alias without a parser is a usage error."""
+    parser = argparse.ArgumentParser()
+    add_frontend_args(parser)
+    flags = ["--reasoning_parser", "qwen3", "--reasoning-field-alias", "reasoning_content",
+             "--responses-store-size", "7"]
+    passed_on = frontend_argv(parser.parse_args(normalize(flags, parser)))
+    config = parse_args(["--engine", "tcp://127.0.0.1:1", *passed_on])
+    assert (config.reasoning_parser, config.reasoning_field_alias,
+            config.responses_store_size) == ("qwen3", "reasoning_content", 7)
+    defaults = parse_args(["--engine", "tcp://127.0.0.1:1"])
+    assert (defaults.reasoning_parser, defaults.responses_store_size) == (None, 0)
+    for bad in (["--reasoning-field-alias", "reasoning_content"],
+                ["--reasoning-parser", "granite"], ["--responses-store-size", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--engine", "tcp://127.0.0.1:1", *bad])
