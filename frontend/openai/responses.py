@@ -30,7 +30,7 @@ import msgspec
 from aiohttp import web
 
 from frontend.engine.client import EngineClient, EngineDeadError
-from frontend.errors import OpenAIError, bad_request
+from frontend.errors import OpenAIError, bad_request, from_validation_error
 from frontend.http_limits import HTTP_LIMITS
 from frontend.openai.chat_plan import plan_chat
 from frontend.openai.plan import RequestPlan
@@ -124,8 +124,8 @@ class ServingResponses:
             plan = plan_chat(chat, tools, self.served, self.reasoning, "resp")
         except OpenAIError as exc:
             raise renamed(exc) from None
-        except msgspec.ValidationError as exc:
-            raise bad_request(str(exc)) from None
+        except msgspec.ValidationError as exc:  # a value chat's schema bounds (seed, top_k)
+            raise renamed(from_validation_error(exc)) from None
         plan.constraint_param = PARAMS.get(plan.constraint_param or "", plan.constraint_param)
         return ResponsesPlan(req, chat, conversation, tools, plan)
 

@@ -244,6 +244,7 @@ async def test_a_codex_shaped_request(client: Client) -> None:
     ({"input": "x", "model": "other"}, "model"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "top_k": -5}, "top_k"),  # vLLM's extras: chat's bounds
 ])
 async def test_bad_requests_are_400s_naming_the_field(client: Client, body: dict[str, Any],
                                                       param: str) -> None:
