@@ -4,7 +4,7 @@ naming the Responses field (`input`, `tools`, `tool_choice`, `text.format`).
 
 Input items, as OpenAI defines them:
 - `message` (its `type` may be left out): a role and text content, a string or parts
-  (`input_text`, `output_text`);
+  (`input_text`, `output_text`, joined as chat joins text parts);
 - `function_call` (call_id, name, arguments): a call the assistant made, folded into the
   assistant message before it, as chat templates expect calls;
 - `function_call_output` (call_id, output): the call's result, a `tool` message;
@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from frontend.errors import bad_request
-from frontend.openai.protocol_chat import ChatCompletionRequest, ChatMessage
+from frontend.openai.protocol_chat import ChatCompletionRequest, ChatMessage, ContentPart
 from frontend.openai.protocol_responses import ResponsesRequest, TextFormat
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
@@ -134,21 +134,21 @@ def _message(i: int, item: dict[str, Any]) -> ChatMessage:
     return ChatMessage(role=role, content=_text(i, item.get("content"), "content"))
 
 
-def _text(i: int, content: Any, name: str) -> str:
-    """A string, or text parts joined."""
+def _text(i: int, content: Any, name: str) -> str | list[ContentPart]:
+    """A string, or text parts (chat's, which the template gets joined as chat joins them)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"input[{i}].{name} must be a string or a list of text parts",
                           "input")
-    texts = []
+    parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
             raise bad_request(f"input[{i}].{name}[{j}]: only text parts ({', '.join(TEXT_PARTS)}"
                               f" with a text) are supported, got type {kind!r}", "input")
-        texts.append(part["text"])
-    return "".join(texts)
+        parts.append(ContentPart("text", part["text"]))
+    return parts
 
 
 def _string(i: int, item: dict[str, Any], name: str) -> str:

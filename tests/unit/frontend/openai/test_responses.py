@@ -153,7 +153,8 @@ async def test_input_items_render_as_their_chat_messages(stateless: Client,
     ]
     messages = [
         {"role": "system", "content": "sys"}, {"role": "developer", "content": "dev"},
-        {"role": "user", "content": "ab"},
+        {"role": "user", "content": [{"type": "text", "text": "a"},
+                                     {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": "calling", "reasoning": "hmm", "tool_calls": [
             {"id": "c1", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
