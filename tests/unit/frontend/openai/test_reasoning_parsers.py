@@ -46,17 +46,19 @@ def cut(text: str, at: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-@settings(max_examples=400, deadline=None)
+@pytest.mark.parametrize("parser", list(PARSERS.values()))
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(PIECES), max_size=12), st.lists(st.integers(0, 200), max_size=8),
        st.booleans())
 @example(["</thin", "k>", "a"], [3], True)
 @example(["<th", "ink>", "x", "</think>", "y"], [1, 2, 3, 4, 5, 6, 7], False)
-def test_any_cut_releases_the_whole_texts_split(pieces, at, thinking):
+def test_any_cut_releases_the_whole_texts_split(parser, pieces, at, thinking):
+    """Each parser, starting in the thinking or not (what its `thinks_first` decides)."""
     text = "".join(pieces)
     expected = reference(text, thinking)
-    assert parse(ThinkingParser(thinking), [text]) == expected
-    assert parse(ThinkingParser(thinking), cut(text, at)) == expected
-    assert parse(ThinkingParser(thinking), list(text)) == expected  # a character a step
+    assert parse(parser(thinking), [text]) == expected
+    assert parse(parser(thinking), cut(text, at)) == expected
+    assert parse(parser(thinking), list(text)) == expected  # a character a step
 
 
 def test_what_is_held_back_and_released():
