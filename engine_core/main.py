@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization, max_logprobs=args.max_logprobs,
             generation_config=args.generation_config,
             enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype, device=args.device,
-            seed=args.seed, num_threads=args.num_threads, trust_remote_code=args.trust_remote_code)
+            seed=args.seed, num_threads=args.num_threads, trust_remote_code=args.trust_remote_code,
+            enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+            cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None)
         core = EngineCore(config)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"tandem engine: cannot start: {e}", file=sys.stderr)

@@ -9,6 +9,8 @@ import torch
 from engine_core.structured.grammar import RequestGrammar
 from shared.messages import SamplingParams
 
+PLACEHOLDER = -1  # the id of a token not known yet (Request.placeholder_row)
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -38,6 +40,9 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.grammar: RequestGrammar | None = None  # set by the scheduler when constrained
+        # >= 0 while the newest token is a placeholder (PLACEHOLDER): sampled by a step still
+        # in flight (overlapped steps), at this row of that step's samples
+        self.placeholder_row = -1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -58,6 +63,15 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def append_placeholder(self, row: int) -> None:
+        """A token sampled by a step in flight, its value not on the host yet."""
+        self.append_token(PLACEHOLDER)
+        self.placeholder_row = row
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        self.output_token_ids[-1] = self.all_token_ids[-1] = token_id
+        self.placeholder_row = -1
 
     def reset_for_recompute(self) -> None:
         """After preemption: KV is gone; prompt + outputs are recomputed as one prompt (the

@@ -36,23 +36,24 @@ log = logging.getLogger(__name__)
 PROMPT_LOGPROB_ROWS = 256  # default budget of prompt positions scored per step (see Scheduler)
 
 
-@dataclass
+@dataclass(slots=True)
 class Scheduled:
+    """One request's share of a step. What the step does for it is settled when it is
+    scheduled (the request's tokens may grow before the step's outputs are recorded)."""
+
     request: Request
     start: int  # first position computed this step
     num_new: int  # tokens computed this step
+    completes_prefill: bool = field(init=False)  # it computes the request's last known token
+    samples: bool = field(init=False)  # it samples a token
+    completes_prompt: bool = field(init=False)  # the prompt is computed once it ran
 
-    @property
-    def completes_prefill(self) -> bool:
-        return self.start + self.num_new == self.request.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        return self.completes_prefill and not self.request.prefill_only
-
-    @property
-    def completes_prompt(self) -> bool:
-        return self.start + self.num_new >= self.request.num_prompt_tokens
+    def __post_init__(self) -> None:
+        req = self.request
+        end = self.start + self.num_new
+        self.completes_prefill = end == req.num_tokens
+        self.samples = self.completes_prefill and not req.prefill_only
+        self.completes_prompt = end >= req.num_prompt_tokens
 
 
 @dataclass
@@ -62,7 +63,7 @@ class SchedulerOutput:
 
     def samplers(self) -> list[Request]:
         """The requests that sample a token this step, in order (one row each for the
-        sampler). Ask before `update_from_output`, which moves the requests on."""
+        sampler)."""
         return [s.request for s in self.scheduled if s.samples]
 
 
@@ -197,8 +198,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = self._cap_rows(req, min(req.num_tokens - req.num_computed_tokens, budget))
-            if num_new == 0:
-                i += 1
+            if num_new == 0 or (req.placeholder_row >= 0 and self.stop_rules.at_length(req)):
+                i += 1  # nothing to compute, or a token in flight that ends it by length
                 continue
             if not self._grow_or_preempt(req, num_new, out):
                 break  # req itself was preempted: it was the newest, nothing after it
@@ -296,33 +297,62 @@ class Scheduler:
         """Record what the step computed: `out` as `schedule()` returned it, and one sampled
         token per request of `out.samplers()`, in that order. Returns the requests finished
         by it, by id: those that sampled, in order, then prompt-only ones ("length")."""
-        samplers = out.samplers()
+        self.advance(out)
+        return self.resolve(out, sampled_token_ids)
+
+    # Overlapped steps (--async-scheduling) record a step in two halves: `advance` as soon as
+    # it is queued, with a placeholder for each token it samples (so the next step can be
+    # scheduled while it runs), and `resolve` once its tokens are on the host. A request
+    # finished or aborted in between is left alone by both.
+    def advance(self, out: SchedulerOutput, placeholders: bool = False) -> None:
+        """The step's progress: computed tokens, published prefix blocks; with
+        `placeholders`, a placeholder token (its row in the step's samples) for each sampler."""
+        row = 0
         for s in out.scheduled:
+            if s.request.status is Status.FINISHED:
+                row += s.samples
+                continue
             self._advance(s)
+            if placeholders and s.samples:
+                s.request.append_placeholder(row)
+            row += s.samples
+
+    def resolve(self, out: SchedulerOutput,
+                sampled_token_ids: np.ndarray | Sequence[int]) -> dict[str, Stop]:
+        """The step's sampled tokens (one per `out.samplers()`) appended, or put in their
+        placeholders, and the stop rules applied; see `update_from_output`."""
         finished: dict[str, Stop] = {}
-        for req, token in zip(samplers, sampled_token_ids, strict=True):
+        for req, token in zip(out.samplers(), sampled_token_ids, strict=True):
+            if req.status is Status.FINISHED:
+                continue
             stop = self._append(req, int(token))
             if stop is not None:
                 finished[req.request_id] = stop
         for s in out.scheduled:
-            if s.completes_prefill and s.request.prefill_only:
-                finished[s.request.request_id] = Stop(FinishReason.LENGTH)
-                self._finish(s.request, FinishReason.LENGTH)
+            req = s.request
+            if s.completes_prefill and req.prefill_only and req.status is not Status.FINISHED:
+                finished[req.request_id] = Stop(FinishReason.LENGTH)
+                self._finish(req, FinishReason.LENGTH)
         return finished
 
     def _advance(self, s: Scheduled) -> None:
         req = s.request
         req.num_computed_tokens += s.num_new
-        self.publish_computed_blocks(req)
+        if req.num_computed_tokens // self.blocks.block_size > req.num_published_blocks:
+            self.publish_computed_blocks(req)  # a block was filled
         if s.completes_prompt:
             req.prompt_logprobs_done = True  # scored by the engine on this step, if asked
         if s.completes_prefill and req.num_output_tokens == 0:  # once, as vLLM counts
             self.stats.request_prompt_tokens += req.num_prompt_tokens
-        prompt_end = min(s.start + s.num_new, req.num_prompt_tokens)
-        self.stats.prompt_tokens += max(0, prompt_end - s.start)
+        if s.start < req.num_prompt_tokens:
+            prompt_end = min(s.start + s.num_new, req.num_prompt_tokens)
+            self.stats.prompt_tokens += prompt_end - s.start
 
     def _append(self, req: Request, token: int) -> Stop | None:
-        req.append_token(token)
+        if req.placeholder_row >= 0:
+            req.resolve_placeholder(token)
+        else:
+            req.append_token(token)
         self.stats.generation_tokens += 1
         stop = self.stop_rules.check(req, token)
         if req.grammar is not None:

@@ -31,6 +31,11 @@ class StopRules:
                 return Stop(FinishReason.STOP, token)
             if not p.ignore_eos and token in self.eos_token_ids:
                 return Stop(FinishReason.STOP)
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if self.at_length(req):
             return Stop(FinishReason.LENGTH)
         return None
+
+    def at_length(self, req: Request) -> bool:
+        """Whether `req` has all the tokens it may have (max_tokens, or the context)."""
+        return (req.num_output_tokens >= req.params.max_tokens
+                or req.num_tokens >= self.max_model_len)
