@@ -117,7 +117,7 @@ class Kernels(NamedTuple):
 
 @dataclass
 class CudaAttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    slot_mapping: torch.Tensor  # [T] int32: where each new token's K/V goes
     block_size: int
     varlen: Varlen | None
     decode: Decode | None
@@ -135,8 +135,8 @@ def build_metadata(starts: np.ndarray, num_new: np.ndarray, table: np.ndarray,
     slots, positions = cache_slots(table, table_rows, starts, num_new, block_size)
     varlen, decode = plan(starts, num_new, table, table_rows, block_size,
                           kernels.decode is not None)
-    longs: list[np.ndarray] = [slots]
-    ints: list[np.ndarray] = []
+    longs: list[np.ndarray] = []
+    ints: list[np.ndarray] = [slots]  # int32, as a CUDA graph's: one kernel specialization
     if varlen is not None:
         longs += [varlen.rows] + ([] if varlen.kv_slots is None else [varlen.kv_slots])
         ints += [varlen.cu_q, varlen.cu_k]
@@ -144,9 +144,9 @@ def build_metadata(starts: np.ndarray, num_new: np.ndarray, table: np.ndarray,
         ints += [decode.table_rows, decode.seq_lens]
         if varlen is not None:
             longs.append(decode.rows)
-    up64 = iter(link.upload_many(longs, np.int64))
-    up32 = iter(link.upload_many(ints, np.int32) if ints else [])
-    slot_mapping = next(up64)
+    up64 = iter(link.upload_many(longs, np.int64) if longs else [])
+    up32 = iter(link.upload_many(ints, np.int32))
+    slot_mapping = next(up32)
     on_varlen = on_decode = None
     if varlen is not None:
         rows = next(up64)
