@@ -221,14 +221,14 @@ class EngineCore:
         """Queue the step: the forward (its decodes' tokens from `previous` where they are
         placeholders), the sampling, the prompt logprobs."""
         plan = _plan_rows(sched.scheduled)
-        with self.threads.step(sum(s.num_new for s in sched.scheduled)):
+        with self.threads.step(sched.num_tokens):
             hidden, rows = self.runner.execute(
                 sched, plan.keep, previous.sampled.tokens if previous is not None else None)
             samplers = sched.samplers()
             sampled = self._sample(samplers, hidden[plan.num_prompt_rows:])
             prompt_lps = self.prompt_logprobs.score_step(self.runner.head, sched.scheduled,
                                                          plan.prompt_rows, hidden)
-        blocks_next = any(r.grammar is not None or _reads_history(r.params) for r in samplers)
+        blocks_next = any(r.grammar is not None or r.reads_history for r in samplers)
         return _Launched(sched, samplers, rows, sampled, prompt_lps, blocks_next)
 
     def _record(self, step: _Launched, placeholders: bool) -> None:
@@ -310,20 +310,22 @@ class _RowPlan(NamedTuple):
 
 
 def _plan_rows(scheduled: list[Scheduled]) -> _RowPlan:
+    ends = list(itertools.accumulate(s.num_new for s in scheduled))
+    if all(s.request.prompt_logprobs_done for s in scheduled):  # no prompt scored this step
+        keep = np.fromiter((end - 1 for s, end in zip(scheduled, ends) if s.samples), np.int64)
+        return _RowPlan(keep, [(0, 0)] * len(scheduled), 0)
     prompt_keep: list[int] = []
     sample_keep: list[int] = []
     prompt_rows = []
-    offset = 0
-    for s in scheduled:
-        req = s.request
+    for s, end in zip(scheduled, ends):
+        req, offset = s.request, end - s.num_new
         lo = len(prompt_keep)
         if not req.prompt_logprobs_done:
-            end = min(s.start + s.num_new, req.num_prompt_tokens - 1)
-            prompt_keep.extend(range(offset, offset + max(0, end - s.start)))
+            last = min(s.start + s.num_new, req.num_prompt_tokens - 1)
+            prompt_keep.extend(range(offset, offset + max(0, last - s.start)))
         prompt_rows.append((lo, len(prompt_keep)))
         if s.samples:
-            sample_keep.append(offset + s.num_new - 1)
-        offset += s.num_new
+            sample_keep.append(end - 1)
     keep = np.asarray(prompt_keep + sample_keep, dtype=np.int64)
     return _RowPlan(keep, prompt_rows, len(prompt_keep))
 
@@ -355,12 +357,6 @@ def _add_sampled(news: StepNews, samplers: list[Request], sampled: SamplerOutput
         stop = finished.get(req.request_id)
         if stop is not None:
             news.finish(first + i, stop.reason, stop.stop_token_id)
-
-
-def _reads_history(params: SamplingParams) -> bool:
-    """Whether sampling reads the request's earlier tokens (its penalties do)."""
-    return bool(params.repetition_penalty != 1.0 or params.presence_penalty
-                or params.frequency_penalty)
 
 
 def _add_prompt_only(news: StepNews, scheduled: list[Scheduled],

@@ -36,6 +36,9 @@ class Request:
         self.num_published_blocks = 0  # leading blocks already in the prefix cache
         self.status = Status.WAITING
         self.prompt_logprobs_done = params.prompt_logprobs is None  # (or scored already)
+        # its sampling reads its earlier tokens (penalties): a step's next one waits for them
+        self.reads_history = bool(params.repetition_penalty != 1.0 or params.presence_penalty
+                                  or params.frequency_penalty)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

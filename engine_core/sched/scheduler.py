@@ -36,30 +36,32 @@ log = logging.getLogger(__name__)
 PROMPT_LOGPROB_ROWS = 256  # default budget of prompt positions scored per step (see Scheduler)
 
 
-@dataclass(slots=True)
 class Scheduled:
     """One request's share of a step. What the step does for it is settled when it is
     scheduled (the request's tokens may grow before the step's outputs are recorded)."""
 
-    request: Request
-    start: int  # first position computed this step
-    num_new: int  # tokens computed this step
-    completes_prefill: bool = field(init=False)  # it computes the request's last known token
-    samples: bool = field(init=False)  # it samples a token
-    completes_prompt: bool = field(init=False)  # the prompt is computed once it ran
+    __slots__ = ("request", "start", "num_new", "completes_prefill", "samples",
+                 "completes_prompt")
 
-    def __post_init__(self) -> None:
-        req = self.request
-        end = self.start + self.num_new
-        self.completes_prefill = end == req.num_tokens
-        self.samples = self.completes_prefill and not req.prefill_only
-        self.completes_prompt = end >= req.num_prompt_tokens
+    def __init__(self, request: Request, start: int, num_new: int) -> None:
+        self.request = request
+        self.start = start  # first position computed this step
+        self.num_new = num_new  # tokens computed this step
+        end = start + num_new
+        # it computes the request's last known token / samples one / completes the prompt
+        self.completes_prefill = end == len(request.all_token_ids)
+        self.samples = self.completes_prefill and request.params.max_tokens > 0
+        self.completes_prompt = end >= len(request.prompt_token_ids)
+
+    def __repr__(self) -> str:
+        return f"Scheduled({self.request.request_id!r}, {self.start}, {self.num_new})"
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[Scheduled] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_tokens: int = 0  # tokens computed by the step, all scheduled requests together
 
     def samplers(self) -> list[Request]:
         """The requests that sample a token this step, in order (one row each for the
@@ -194,19 +196,27 @@ class Scheduler:
         return max(self.min_num_batched_tokens, min(self.max_num_batched_tokens, backlog // 4))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        running, scheduled, block_size = self.running, out.scheduled, self.blocks.block_size
+        given = budget
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = self._cap_rows(req, min(req.num_tokens - req.num_computed_tokens, budget))
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+            if not req.prompt_logprobs_done:
+                num_new = min(num_new, self._rows_left)
             if num_new == 0 or (req.placeholder_row >= 0 and self.stop_rules.at_length(req)):
                 i += 1  # nothing to compute, or a token in flight that ends it by length
                 continue
-            if not self._grow_or_preempt(req, num_new, out):
+            # (most decode steps fit in the blocks the request has: nothing to allocate)
+            if req.num_computed_tokens + num_new > len(req.block_ids) * block_size and \
+                    not self._grow_or_preempt(req, num_new, out):
                 break  # req itself was preempted: it was the newest, nothing after it
-            out.scheduled.append(Scheduled(req, req.num_computed_tokens, num_new))
-            self._take_rows(req, num_new)
+            scheduled.append(Scheduled(req, req.num_computed_tokens, num_new))
+            if not req.prompt_logprobs_done:
+                self._rows_left -= num_new
             budget -= num_new
             i += 1
+        out.num_tokens += given - budget
         return budget
 
     def _grow_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
@@ -274,6 +284,7 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             out.scheduled.append(Scheduled(req, num_computed, num_new))
+            out.num_tokens += num_new
             self._take_rows(req, num_new)
             budget -= num_new
 
@@ -308,13 +319,12 @@ class Scheduler:
         """The step's progress: computed tokens, published prefix blocks; with
         `placeholders`, a placeholder token (its row in the step's samples) for each sampler."""
         row = 0
+        finished = Status.FINISHED
         for s in out.scheduled:
-            if s.request.status is Status.FINISHED:
-                row += s.samples
-                continue
-            self._advance(s)
-            if placeholders and s.samples:
-                s.request.append_placeholder(row)
+            if s.request.status is not finished:
+                self._advance(s)
+                if placeholders and s.samples:
+                    s.request.append_placeholder(row)
             row += s.samples
 
     def resolve(self, out: SchedulerOutput,
@@ -322,12 +332,18 @@ class Scheduler:
         """The step's sampled tokens (one per `out.samplers()`) appended, or put in their
         placeholders, and the stop rules applied; see `update_from_output`."""
         finished: dict[str, Stop] = {}
-        for req, token in zip(out.samplers(), sampled_token_ids, strict=True):
+        tokens = np.asarray(sampled_token_ids).tolist()  # Python ints, once
+        samplers = out.samplers()
+        assert len(samplers) == len(tokens), "one sampled token per sampling request"
+        appended = 0
+        for req, token in zip(samplers, tokens):
             if req.status is Status.FINISHED:
-                continue
-            stop = self._append(req, int(token))
+                continue  # finished or aborted while its token was in flight
+            appended += 1
+            stop = self._append(req, token)
             if stop is not None:
                 finished[req.request_id] = stop
+        self.stats.generation_tokens += appended
         for s in out.scheduled:
             req = s.request
             if s.completes_prefill and req.prefill_only and req.status is not Status.FINISHED:
@@ -342,18 +358,18 @@ class Scheduler:
             self.publish_computed_blocks(req)  # a block was filled
         if s.completes_prompt:
             req.prompt_logprobs_done = True  # scored by the engine on this step, if asked
-        if s.completes_prefill and req.num_output_tokens == 0:  # once, as vLLM counts
-            self.stats.request_prompt_tokens += req.num_prompt_tokens
-        if s.start < req.num_prompt_tokens:
-            prompt_end = min(s.start + s.num_new, req.num_prompt_tokens)
-            self.stats.prompt_tokens += prompt_end - s.start
+        prompt_len = len(req.prompt_token_ids)
+        if s.completes_prefill and not req.output_token_ids:  # once, as vLLM counts
+            self.stats.request_prompt_tokens += prompt_len
+        if s.start < prompt_len:
+            self.stats.prompt_tokens += min(s.start + s.num_new, prompt_len) - s.start
 
     def _append(self, req: Request, token: int) -> Stop | None:
         if req.placeholder_row >= 0:
             req.resolve_placeholder(token)
         else:
-            req.append_token(token)
-        self.stats.generation_tokens += 1
+            req.output_token_ids.append(token)
+            req.all_token_ids.append(token)
         stop = self.stop_rules.check(req, token)
         if req.grammar is not None:
             stop = _grammar_stop(req, token, stop)

@@ -5,7 +5,7 @@
 
 What the GPU would wait for if nothing overlapped the host's work: the engine runs in-process
 on the tiny default model, its decoder replaced by a stub that returns hidden states of the
-right shape at no cost and its sampler's LM head by a 512-token one (the host work of sampling,
+right shape at no cost and its sampler's LM head by a 32-token one (the host work of sampling,
 `SamplingBatch` and the rest, is kept; its arithmetic is not). Every request is prefilled
 first; then decode-only steps at each batch size are timed. Each phase is timed by wrapping the
 engine's own methods:
@@ -13,8 +13,8 @@ engine's own methods:
 - schedule: `Scheduler.schedule`
 - prepare: `ModelRunner.execute` (the step's inputs and attention metadata; the forward is
   the stub)
-- sample: the sampler call (its host bookkeeping; the head is the stub's)
-- update: `Scheduler.update_from_output` (or its overlapped halves)
+- sample: the sampler's call (its host bookkeeping; the head is the stub's)
+- update: the scheduler's record of the step (`advance` and `resolve`)
 - pack: `StepNews.pack` (one `StepOutputs` per frontend)
 - other: the rest of `EngineCore.step`
 
@@ -45,7 +45,7 @@ from engine_core.worker.platform import Platform
 from shared.messages import SamplingParams
 
 PHASES = ("schedule", "prepare", "sample", "update", "pack")
-STUB_VOCAB = 512
+STUB_VOCAB = 32
 PROMPT_LEN = 8
 
 
@@ -102,7 +102,11 @@ def make_engine(batch: int, async_scheduling: bool) -> EngineCore:
 def instrument(core: EngineCore, clock: PhaseClock) -> None:
     clock.wrap(core.scheduler, "schedule", "schedule")
     clock.wrap(core.runner, "execute", "prepare")
-    clock.wrap(core, "sampler", "sample")
+    sampler = core.sampler
+    clock.wrap(sampler, "sample_later" if hasattr(sampler, "sample_later") else "__call__",
+               "sample")
+    if not hasattr(sampler, "sample_later"):  # before overlapped steps: the engine called it
+        clock.wrap(core, "sampler", "sample")
     for name in ("update_from_output", "advance", "resolve"):
         if hasattr(core.scheduler, name):
             clock.wrap(core.scheduler, name, "update")
