@@ -247,10 +247,14 @@ def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def cuda_kernels(dtype: torch.dtype = torch.bfloat16, decode: bool = True,
-                 kv_write: bool = True) -> Kernels:
+                 kv_write: bool = True, device: torch.device | None = None) -> Kernels:
     """The CUDA path's kernels for `dtype`: FlashAttention varlen (SDPA chunk by chunk in
     float32), the Triton decode and KV write where Triton is installed and they are wanted
-    (the platform turns one off when the device check found it broken)."""
+    (the platform turns one off when the device check found it broken). On the CPU (the
+    device check's dry run, the tests) the same path runs with the kernels' references."""
+    if device is not None and device.type == "cpu":
+        return Kernels(sdpa_varlen, reference_decode if decode else None,
+                       triton_attention.write_kv_reference)
     triton_ok = triton_attention.available()
     return Kernels(flash_varlen if dtype in (torch.bfloat16, torch.float16) else sdpa_varlen,
                    triton_decode if decode and triton_ok else None,

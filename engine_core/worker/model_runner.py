@@ -117,7 +117,7 @@ class ModelRunner:
         self.facts = _model_facts(config, text)
         self.block_size = config.block_size
         self.kernels = (attention_cuda.cuda_kernels(self.dtype, platform.triton_decode,
-                                                    platform.triton_kv_write)
+                                                    platform.triton_kv_write, self.device)
                         if platform.attention == "cuda" else None)
         self._metadata = self._metadata_builder(platform.attention, platform.head_kernels)
         self.kv_shape = _kv_shape(text)
