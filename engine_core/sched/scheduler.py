@@ -319,12 +319,24 @@ class Scheduler:
         """The step's progress: computed tokens, published prefix blocks; with
         `placeholders`, a placeholder token (its row in the step's samples) for each sampler."""
         row = 0
-        finished = Status.FINISHED
+        finished, block_size, stats = Status.FINISHED, self.blocks.block_size, self.stats
         for s in out.scheduled:
-            if s.request.status is not finished:
-                self._advance(s)
-                if placeholders and s.samples:
-                    s.request.append_placeholder(row)
+            req = s.request
+            if req.status is finished:
+                row += s.samples
+                continue
+            req.num_computed_tokens += s.num_new
+            if req.num_computed_tokens // block_size > req.num_published_blocks:
+                self.publish_computed_blocks(req)  # a block was filled
+            if s.completes_prompt:
+                req.prompt_logprobs_done = True  # scored by the engine on this step, if asked
+            prompt_len = len(req.prompt_token_ids)
+            if s.completes_prefill and not req.output_token_ids:  # once, as vLLM counts
+                stats.request_prompt_tokens += prompt_len
+            if s.start < prompt_len:
+                stats.prompt_tokens += min(s.start + s.num_new, prompt_len) - s.start
+            if placeholders and s.samples:
+                req.append_placeholder(row)
             row += s.samples
 
     def resolve(self, out: SchedulerOutput,
@@ -350,19 +362,6 @@ class Scheduler:
                 finished[req.request_id] = Stop(FinishReason.LENGTH)
                 self._finish(req, FinishReason.LENGTH)
         return finished
-
-    def _advance(self, s: Scheduled) -> None:
-        req = s.request
-        req.num_computed_tokens += s.num_new
-        if req.num_computed_tokens // self.blocks.block_size > req.num_published_blocks:
-            self.publish_computed_blocks(req)  # a block was filled
-        if s.completes_prompt:
-            req.prompt_logprobs_done = True  # scored by the engine on this step, if asked
-        prompt_len = len(req.prompt_token_ids)
-        if s.completes_prefill and not req.output_token_ids:  # once, as vLLM counts
-            self.stats.request_prompt_tokens += prompt_len
-        if s.start < prompt_len:
-            self.stats.prompt_tokens += min(s.start + s.num_new, prompt_len) - s.start
 
     def _append(self, req: Request, token: int) -> Stop | None:
         if req.placeholder_row >= 0:

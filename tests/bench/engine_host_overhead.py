@@ -1,7 +1,7 @@
 """The engine's host time per decode step, with the model's forward and the LM head stubbed.
 
     .venv/bin/python tests/bench/engine_host_overhead.py [--batches 64,256,1024] [--steps 60]
-        [--repeats 3] [--async-scheduling]
+        [--repeats 3] [--async-scheduling] [--cuda-path]
 
 What the GPU would wait for if nothing overlapped the host's work: the engine runs in-process
 on the tiny default model, its decoder replaced by a stub that returns hidden states of the
@@ -18,6 +18,10 @@ engine's own methods:
 - pack: `StepNews.pack` (one `StepOutputs` per frontend)
 - other: the rest of `EngineCore.step`
 
+By default the engine runs the CPU's own path; `--cuda-path` runs the GPU's code instead, as
+far as the CPU can (the CUDA attention's metadata, the persistent buffers and the CUDA-graph
+runner's stand-in for decode batches up to 512, its forward stubbed the same way).
+
 Figures are medians over the timed steps of the best of `--repeats` runs, in ms of wall time
 (on a loaded machine, compare the thread CPU time column too). The last line is one JSON
 object: {"batch_64_host_ms": ..., "batch_256_host_ms": ..., "batch_1024_host_ms": ...}.
@@ -26,6 +30,7 @@ object: {"batch_64_host_ms": ..., "batch_256_host_ms": ..., "batch_1024_host_ms"
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -40,6 +45,7 @@ from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
 from engine_core.outputs import StepNews
 from engine_core.sample.device_sampler import DeviceSampler, HeadWeights
+from engine_core.worker.cuda_graphs import GraphRunner, capture_sizes
 from engine_core.worker.default_model import ensure_model
 from engine_core.worker.platform import Platform
 from shared.messages import SamplingParams
@@ -71,7 +77,7 @@ class PhaseClock:
         setattr(owner, name, timed)
 
 
-def stub_model(core: EngineCore) -> None:
+def stub_model(core: EngineCore, cuda_path: bool = False) -> None:
     """The decoder returns zeros of the right shape; the sampler's head is a 512-token one."""
     runner = core.runner
     hidden = runner.model.config.hidden_size
@@ -81,21 +87,27 @@ def stub_model(core: EngineCore) -> None:
         return SimpleNamespace(last_hidden_state=zeros[:, :input_ids.shape[1]])
 
     runner.decoder = decoder
-    if hasattr(runner, "graphs") and runner.graphs is not None:
-        runner.graphs.forward = lambda *a, **k: zeros[0]
+    if cuda_path:  # the graph runner's stand-in, over the stub
+        runner.graphs = GraphRunner(capture_sizes(core.platform.max_num_seqs),
+                                    lambda ids, *_: zeros[0, :len(ids)], runner.device,
+                                    pinned=False, dummy_slot=0,
+                                    dummy_row=runner.tables.dummy_row, stand_in=True)
+        runner.graphs.capture()
     head = HeadWeights(torch.randn(STUB_VOCAB, hidden) * 0.01)
     assert isinstance(core.sampler, DeviceSampler)
     core.sampler.weights = head
     core.sampler.vocab = STUB_VOCAB
 
 
-def make_engine(batch: int, async_scheduling: bool) -> EngineCore:
+def make_engine(batch: int, async_scheduling: bool, cuda_path: bool = False) -> EngineCore:
     extra: dict[str, Any] = {"async_scheduling": True} if async_scheduling else {}
     config = EngineConfig(model=str(ensure_model()), max_num_seqs=batch,
                           max_num_batched_tokens=max(2048, batch * PROMPT_LEN),
                           num_kv_blocks=batch * 8 + 64, num_threads=1, **extra)
     # the device sampler: the one a GPU runs, whose host work is what this measures
     platform = Platform.detect(config, environ={**os.environ, "TANDEM_SAMPLER": "device"})
+    if cuda_path:  # the graphs come once the forward is stubbed (stub_model)
+        platform = dataclasses.replace(platform, attention="cuda")
     return EngineCore(config, platform)
 
 
@@ -113,9 +125,10 @@ def instrument(core: EngineCore, clock: PhaseClock) -> None:
     clock.wrap(StepNews, "pack", "pack")
 
 
-def run_batch(batch: int, steps: int, async_scheduling: bool) -> dict[str, float]:
-    core = make_engine(batch, async_scheduling)
-    stub_model(core)
+def run_batch(batch: int, steps: int, async_scheduling: bool,
+              cuda_path: bool = False) -> dict[str, float]:
+    core = make_engine(batch, async_scheduling, cuda_path)
+    stub_model(core, cuda_path)
     params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         core.add_request(f"r{i}", [1000 + (i * 7 + j) % 5000 for j in range(PROMPT_LEN)],
@@ -155,6 +168,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--async-scheduling", action="store_true",
                         help="overlapped steps (--async-scheduling)")
+    parser.add_argument("--cuda-path", action="store_true",
+                        help="the GPU's code path (CUDA attention metadata, graph stand-in)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs")
@@ -162,7 +177,8 @@ def main() -> None:
     print(" ".join(f"{h:>13}" for h in header))
     summary: dict[str, float] = {}
     for batch in (int(b) for b in args.batches.split(",")):
-        runs = [run_batch(batch, args.steps, args.async_scheduling) for _ in range(args.repeats)]
+        runs = [run_batch(batch, args.steps, args.async_scheduling,
+                          getattr(args, "cuda_path", False)) for _ in range(args.repeats)]
         best = min(runs, key=lambda r: r["host_ms"])
         print(" ".join([f"{batch:>13}", *(f"{best[h]:>13.3f}" for h in header[1:])]),
               flush=True)
