@@ -351,12 +351,13 @@ def _add_sampled(news: StepNews, samplers: list[Request], sampled: SamplerOutput
     lp_k = np.fromiter((-1 if r.params.logprobs is None else r.params.logprobs
                         for r in samplers), np.int64, len(samplers))
     first = len(news)
-    news.add_sampled([r.request_id for r in samplers], [r.owner for r in samplers],
-                     tokens, sampled.logprobs, lp_rows, lp_k)
-    for i, req in enumerate(samplers):
-        stop = finished.get(req.request_id)
-        if stop is not None:
-            news.finish(first + i, stop.reason, stop.stop_token_id)
+    ids = [r.request_id for r in samplers]
+    news.add_sampled(ids, [r.owner for r in samplers], tokens, sampled.logprobs, lp_rows, lp_k)
+    if finished:
+        for i, rid in enumerate(ids):
+            stop = finished.get(rid)
+            if stop is not None:
+                news.finish(first + i, stop.reason, stop.stop_token_id)
 
 
 def _add_prompt_only(news: StepNews, scheduled: list[Scheduled],
