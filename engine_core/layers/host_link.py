@@ -17,12 +17,14 @@ import torch
 ALIGN = 16  # bytes: where each array of `upload_many` starts
 
 class HostLink:
-    def __init__(self, device: torch.device, pinned: bool,
-                 synchronize: Callable[[], None]) -> None:
+    def __init__(self, device: torch.device, pinned: bool, synchronize: Callable[[], None],
+                 align: bool = False) -> None:
         """`pinned`: host buffers in page-locked memory, so copies run asynchronously;
-        `synchronize` waits for the device's queued work (a no-op on the CPU)."""
+        `synchronize` waits for the device's queued work (a no-op on the CPU); `align`: each
+        array of `upload_many` starts 16-byte aligned (for the Triton kernels)."""
         self.device = device
         self.pinned = pinned
+        self.align = align
         self._synchronize = synchronize
 
     def upload(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -35,8 +37,14 @@ class HostLink:
 
     def upload_many(self, arrays: Sequence[np.ndarray], dtype: type[np.generic]
                     ) -> list[torch.Tensor]:
-        """Several arrays on the device in one copy (as `dtype`), each a view of it that
-        starts 16-byte aligned (as the Triton kernels are specialized for their pointers)."""
+        """Several arrays on the device in one copy (as `dtype`), each a view of it; with
+        `align`, each starts 16-byte aligned (Triton specializes kernels on their pointers'
+        alignment: a view at an odd offset would compile another variant)."""
+        if not self.align:
+            packed = np.concatenate([np.asarray(a, dtype=dtype).reshape(-1) for a in arrays])
+            flat = self.upload(packed)
+            return [part.view(np.shape(a)) for part, a in
+                    zip(flat.split([int(np.size(a)) for a in arrays]), arrays, strict=True)]
         step = max(1, ALIGN // np.dtype(dtype).itemsize)
         sizes = [int(np.size(a)) for a in arrays]
         starts = np.cumsum([0] + [-(-n // step) * step for n in sizes])

@@ -153,10 +153,11 @@ class Platform:
     def host_link(self) -> HostLink:
         """Copies between the host and the device: pinned and asynchronous on CUDA, with one
         wait on the current stream to bring results back; plain copies on the CPU."""
+        aligned = self.attention == "cuda"  # the Triton kernels read the uploads
         if self.device.type != "cuda":
-            return HostLink(self.device, pinned=False, synchronize=lambda: None)
+            return HostLink(self.device, pinned=False, synchronize=lambda: None, align=aligned)
         device = self.device
-        return HostLink(device, pinned=True,
+        return HostLink(device, pinned=True, align=aligned,
                         synchronize=lambda: torch.cuda.current_stream(device).synchronize())
 
 
