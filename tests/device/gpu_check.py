@@ -64,7 +64,7 @@ DRY_SIZES = Sizes(
     spec=TINY_SPEC, parity_prompts=6, parity_new_tokens=6, long_prompts=1, long_prompt_len=100,
     step_tokens=64, kv_cache_bytes=64 << 20, batch=16, input_len=16, output_len=8,
     timed_steps=3, profile_steps=3, serve_concurrency=4, serve_prompts=8, serve_input_len=32,
-    serve_output_len=4, serve_kv_cache_bytes=64 << 20, time_limit_s=200.0, threads=1,
+    serve_output_len=4, serve_kv_cache_bytes=64 << 20, time_limit_s=300.0, threads=1,
     structured_new_tokens=32, max_model_len=512)
 
 STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stages", default=",".join(STAGES),
                         help=f"comma-separated subset of {','.join(STAGES)} (build always runs)")
     parser.add_argument("--time-limit", type=float, default=None,
-                        help="seconds for the whole run (default: 400 on a GPU, 200 dry)")
+                        help="seconds for the whole run (default: 400 on a GPU, 300 dry)")
     parser.add_argument("--serve-args", default="",
                         help="extra `tandem serve` flags, e.g. \"--gpu-memory-utilization 0.9\"")
     parser.add_argument("--tokenizers", type=Path, default=None,
