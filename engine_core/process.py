@@ -30,7 +30,7 @@ import msgspec
 import zmq
 
 from engine_core.engine import EngineCore
-from engine_core.liveness import TICK_S, FrontendLiveness, LoopProgress
+from engine_core.liveness import TICK_S, FrontendLiveness, LoopProgress, RunningClock
 from engine_core.metrics import HistogramTotals
 from shared.curve import secure_server, warn_if_open
 from shared.messages import (
@@ -70,8 +70,9 @@ class EngineProcess:
         # A plain flag, not an Event or a queue item: a signal handler may set it safely.
         self.stop_requested = False
         self.histograms = HistogramTotals()
-        self.progress = LoopProgress()
-        self.frontends = FrontendLiveness(frontend_timeout_s)
+        self.clock = RunningClock()  # time this process could run: pauses are nobody's doing
+        self.progress = LoopProgress(self.clock)
+        self.frontends = FrontendLiveness(self.clock, frontend_timeout_s)
         self._next_reap = time.monotonic() + REAP_EVERY_S
         self.router = self.ctx.socket(zmq.ROUTER)
         configure(self.router)
@@ -184,7 +185,7 @@ class EngineProcess:
         poller.register(self.out_pull, zmq.POLLIN)
         while True:
             events = poller.poll(int(TICK_S * 1000))
-            self.frontends.tick()
+            self.clock.tick()
             for sock, _ in events:
                 if sock is self.out_pull:
                     self.router.send_multipart(self.out_pull.recv_multipart(copy=False), copy=False)
