@@ -35,6 +35,13 @@ With --faults, every --fault-every-s seconds one fault, in turn:
   (requests then in flight fail with an error, new ones get 503) — expected failures while
   the fault lasts and up to 3 s after SIGCONT; the time until a request succeeds again is
   recorded.
+- `engine-pause-stall`: SIGSTOP the engine for 15 s, longer than the stall floor (10 s) the
+  launcher and the frontends judge a step loop by: failures as for the long pause, and the
+  same engine process must serve again (a paused engine is not a stuck one; the launcher once
+  killed it as stuck on SIGCONT).
+
+The summary's `rss_engine_tail` is the engine's RSS over the last 20 minutes (the last two
+thirds of a shorter run): its spread, (max - min) / min, says whether memory levelled off.
 """
 
 from __future__ import annotations
@@ -68,9 +75,12 @@ DRAIN_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 120.0
 SHORT_PAUSE_S = 1.0  # within the frontends' liveness bound: nothing may fail
 LONG_PAUSE_S = 5.0  # beyond it: the engine is declared unavailable, then comes back
+STALL_PAUSE_S = 15.0  # beyond the stall floor (shared.transport.DEFAULT_STALL_FLOOR_S, 10 s)
+TAIL_S = 20 * 60.0  # the part of the run whose engine RSS must be flat
 OUTAGE_GRACE_S = 3.0  # after SIGCONT, failures still counted as the outage's
 OUTAGE_BACKOFF_S = 1.0  # a client's wait after a 503 (the frontends send Retry-After: 1)
-FAULT_KINDS = ("frontend-kill", "engine-pause-short", "engine-pause-long")
+FAULT_KINDS = ("frontend-kill", "engine-pause-short", "engine-pause-long",
+               "engine-pause-stall")
 
 WORDS = ("the cat sat on a mat while seven quiet rivers ran under old stone bridges and "
          "nobody knew why the lamp was still burning at noon").split()
@@ -437,9 +447,10 @@ async def inject(kind: str, faults: Faults, url: str, model: str, launcher: int,
         entry["replacement_serving_s"] = await until(replaced, 60)
         return entry
     assert engine is not None
-    pause = SHORT_PAUSE_S if kind == "engine-pause-short" else LONG_PAUSE_S
+    pause = {"engine-pause-short": SHORT_PAUSE_S, "engine-pause-long": LONG_PAUSE_S,
+             "engine-pause-stall": STALL_PAUSE_S}[kind]
     outage = [time.monotonic(), float("inf")]
-    if kind == "engine-pause-long":
+    if kind != "engine-pause-short":
         faults.outages.append(outage)
     os.kill(engine, signal.SIGSTOP)
     await asyncio.sleep(pause)
@@ -460,7 +471,17 @@ async def inject(kind: str, faults: Faults, url: str, model: str, launcher: int,
 
     entry["pause_s"] = pause
     entry["serving_again_after_resume_s"] = await until(serves, 60)
+    entry["same_engine"] = server_pids(launcher)[0] == engine
     return entry
+
+
+def rss_tail(windows: list[Window], run_s: float) -> dict[str, float]:
+    """The engine's RSS over the run's last TAIL_S (its last two thirds if shorter)."""
+    seconds = min(TAIL_S, run_s * 2 / 3)
+    tail = [w.rss_engine_mb for w in windows if w.t_end_s >= run_s - seconds] or [0.0]
+    low, high = min(tail), max(tail)
+    return {"seconds": seconds, "min": low, "max": high,
+            "spread_pct": round(100 * (high - low) / low, 2) if low else 0.0}
 
 
 # --- the run ----------------------------------------------------------------------------
@@ -662,6 +683,7 @@ def main() -> int:
                   for k in ("plain", "stream", "disconnect", "bad", "aux")},
         "rss_engine_mb": {"first": first.rss_engine_mb, "last": last.rss_engine_mb,
                           "max": max(w.rss_engine_mb for w in windows)},
+        "rss_engine_tail": rss_tail(windows, args.minutes * 60),
         "rss_frontends_mb": {"first": fe_first, "last": fe_last, "max": fe_max},
         "ttft_p50_ms": {"first": first.ttft_p50_ms(), "last": last.ttft_p50_ms(),
                         "min": min((w.ttft_p50_ms() or 1e9) for w in windows),
@@ -689,6 +711,8 @@ def main() -> int:
             problems.append(f"frontend {f['frontend']} was not replaced within 60 s")
         if f.get("serving_again_after_resume_s", 0) is None:
             problems.append(f"no request served within 60 s after the {f['kind']} ended")
+        if f.get("same_engine") is False:
+            problems.append(f"the engine was replaced after the {f['kind']} at {f['at_s']} s")
     if result["restarts"]:
         problems.append(f"processes replaced during the soak: {result['restarts']}")
     if proc.returncode not in (0, -signal.SIGTERM):
@@ -702,6 +726,9 @@ def main() -> int:
     r = summary["rss_engine_mb"]
     print(f"  engine RSS MB: first {r['first']}, last {r['last']}, max {r['max']} "
           f"({r['last'] - r['first']:+.1f})")
+    tail = summary["rss_engine_tail"]
+    print(f"  engine RSS MB over the last {tail['seconds']:.0f} s: {tail['min']}-{tail['max']} "
+          f"(spread {tail['spread_pct']:.2f}%)")
     for i in range(len(fe_first)):
         print(f"  frontend {i} RSS MB: first {fe_first[i]}, "
               f"last {fe_last[i] if i < len(fe_last) else '-'}, max {fe_max[i]}")
