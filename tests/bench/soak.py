@@ -40,7 +40,8 @@ With --faults, every --fault-every-s seconds one fault, in turn:
   same engine process must serve again (a paused engine is not a stuck one; the launcher once
   killed it as stuck on SIGCONT).
 
-The summary's `rss_engine_tail` is the engine's RSS over the last 20 minutes (the last two
+The summary's `rss_engine_tail` is the engine's RssAnon (private memory, without mapped files'
+pages, which the kernel drops under memory pressure) over the last 20 minutes (the last two
 thirds of a shorter run): its spread, (max - min) / min, says whether memory levelled off.
 """
 
@@ -119,10 +120,13 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """A resident size of `pid` in MB: VmRSS, or RssAnon (its heap and other private memory,
+    without the pages of mapped files such as libtorch's, which the kernel drops and reads
+    again under memory pressure: another process's load moved VmRSS by 240 MB)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     except (OSError, ValueError):
         pass
@@ -173,6 +177,7 @@ class Window:
     failures: list[str] = field(default_factory=list)
     # sampled at the window's end
     rss_engine_mb: float = 0.0
+    anon_engine_mb: float = 0.0  # RssAnon: what a leak would grow
     rss_frontends_mb: list[float] = field(default_factory=list)
     running: float | None = None
     waiting: float | None = None
@@ -476,9 +481,9 @@ async def inject(kind: str, faults: Faults, url: str, model: str, launcher: int,
 
 
 def rss_tail(windows: list[Window], run_s: float) -> dict[str, float]:
-    """The engine's RSS over the run's last TAIL_S (its last two thirds if shorter)."""
+    """The engine's RssAnon over the run's last TAIL_S (its last two thirds if shorter)."""
     seconds = min(TAIL_S, run_s * 2 / 3)
-    tail = [w.rss_engine_mb for w in windows if w.t_end_s >= run_s - seconds] or [0.0]
+    tail = [w.anon_engine_mb for w in windows if w.t_end_s >= run_s - seconds] or [0.0]
     low, high = min(tail), max(tail)
     return {"seconds": seconds, "min": low, "max": high,
             "spread_pct": round(100 * (high - low) / low, 2) if low else 0.0}
@@ -549,6 +554,7 @@ async def drive(args: argparse.Namespace, url: str, launcher: int) -> dict[str, 
                 if engine != engine0 or (frontends != frontends0 and not load.faults.killed):
                     restarts.append(f"at {w.t_end_s} s: engine {engine}, frontends {frontends}")
                 w.rss_engine_mb = round(rss_mb(engine), 1) if engine else 0.0
+                w.anon_engine_mb = round(rss_mb(engine, "RssAnon"), 1) if engine else 0.0
                 w.rss_frontends_mb = [round(rss_mb(p), 1) for p in frontends]
                 try:
                     text = await scrape(session, url)
@@ -598,7 +604,8 @@ async def drive(args: argparse.Namespace, url: str, launcher: int) -> dict[str, 
 
 
 HEADER = (f"{'t s':>6} {'done':>6} {'fail':>5} {'disc':>5} {'4xx':>4} {'fault':>5} {'ttft50':>7} "
-          f"{'e2e50':>7} {'run':>4} {'wait':>4} {'kv%':>5} {'engMB':>7} {'frontends MB':>16}")
+          f"{'e2e50':>7} {'run':>4} {'wait':>4} {'kv%':>5} {'engMB':>7} {'anonMB':>7} "
+          f"{'frontends MB':>16}")
 
 
 def row(w: Window) -> str:
@@ -611,7 +618,8 @@ def row(w: Window) -> str:
             f"{(f'{e2e:.0f}' if e2e is not None else '-'):>7} "
             f"{w.running if w.running is not None else '-':>4} "
             f"{w.waiting if w.waiting is not None else '-':>4} {kv} "
-            f"{w.rss_engine_mb:>7.1f} {' '.join(f'{x:.1f}' for x in w.rss_frontends_mb):>16}")
+            f"{w.rss_engine_mb:>7.1f} {w.anon_engine_mb:>7.1f} "
+            f"{' '.join(f'{x:.1f}' for x in w.rss_frontends_mb):>16}")
 
 
 def main() -> int:
@@ -727,7 +735,7 @@ def main() -> int:
     print(f"  engine RSS MB: first {r['first']}, last {r['last']}, max {r['max']} "
           f"({r['last'] - r['first']:+.1f})")
     tail = summary["rss_engine_tail"]
-    print(f"  engine RSS MB over the last {tail['seconds']:.0f} s: {tail['min']}-{tail['max']} "
+    print(f"  engine RssAnon MB over the last {tail['seconds']:.0f} s: {tail['min']}-{tail['max']} "
           f"(spread {tail['spread_pct']:.2f}%)")
     for i in range(len(fe_first)):
         print(f"  frontend {i} RSS MB: first {fe_first[i]}, "
