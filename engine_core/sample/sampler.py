@@ -23,7 +23,7 @@ samples as an unconstrained one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -41,6 +41,28 @@ class SamplerOutput(NamedTuple):
     token_ids: np.ndarray  # int64 [S]
     logprob_rows: np.ndarray  # int64 indices of the rows with logprobs
     logprobs: Logprobs | None
+
+
+class PendingSample:
+    """A step's sampling, queued: `tokens` on the device at once (an overlapped step's next
+    inputs read them there), the whole `SamplerOutput` on the host when `result()` is asked
+    (the one wait of the step)."""
+
+    def __init__(self, tokens: torch.Tensor, result: Callable[[], SamplerOutput]) -> None:
+        self.tokens = tokens
+        self._result = result
+        self._output: SamplerOutput | None = None
+
+    @staticmethod
+    def done(output: SamplerOutput, tokens: torch.Tensor | None = None) -> PendingSample:
+        """A sampling already on the host (the CPU's, or one that had to wait)."""
+        device_tokens = torch.from_numpy(output.token_ids) if tokens is None else tokens
+        return PendingSample(device_tokens, lambda: output)
+
+    def result(self) -> SamplerOutput:
+        if self._output is None:
+            self._output = self._result()
+        return self._output
 
 
 def token_logprobs(head: LMHead, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> Logprobs:
@@ -93,6 +115,11 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator().manual_seed(seed)
         self._constrained: ConstrainedSampler | None = None  # made at the first constrained row
+
+    def sample_later(self, head: LMHead, hidden: torch.Tensor,
+                     reqs: Sequence[Request]) -> PendingSample:
+        """`self(...)`, as a `PendingSample` (on the CPU nothing is left to wait for)."""
+        return PendingSample.done(self(head, hidden, reqs))
 
     def __call__(self, head: LMHead, hidden: torch.Tensor,
                  reqs: Sequence[Request]) -> SamplerOutput:

@@ -109,7 +109,9 @@ def _row(i: int, n: int) -> np.ndarray:
 def _bias(reqs: Sequence[Request], vocab: int) -> Edits:
     rows, ids, vals = [], [], []
     for i, r in enumerate(reqs):
-        bias = {t: v for t, v in (r.params.logit_bias or {}).items() if 0 <= t < vocab}
+        if not r.params.logit_bias:
+            continue
+        bias = {t: v for t, v in r.params.logit_bias.items() if 0 <= t < vocab}
         if bias:
             rows.append(_row(i, len(bias)))
             ids.append(np.fromiter(bias.keys(), np.int64, len(bias)))
@@ -121,7 +123,7 @@ def _banned(reqs: Sequence[Request], vocab: int, eos_token_ids: Sequence[int]) -
     rows, ids = [], []
     for i, r in enumerate(reqs):
         p = r.params
-        if r.num_output_tokens < p.min_tokens:
+        if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
             banned = [t for t in banned if t < vocab]
             rows.append(_row(i, len(banned)))

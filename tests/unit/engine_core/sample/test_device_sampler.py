@@ -38,9 +38,9 @@ class CountingLink(HostLink):
         super().__init__(CPU, pinned=False, synchronize=lambda: None)
         self.downloads = 0
 
-    def download(self, tensors):  # type: ignore[no-untyped-def]
-        self.downloads += 1
-        return super().download(tensors)
+    def download_later(self, tensors):  # type: ignore[no-untyped-def]
+        self.downloads += 1  # (download() goes through here too)
+        return super().download_later(tensors)
 
 
 def device_sampler(weight: torch.Tensor, seed: int = 0, eos: list[int] | None = None,
