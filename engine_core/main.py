@@ -9,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from shared.argv import ConfigFileError, normalize
-from shared.curve import CurveKeyError, server_keys
+from shared.curve import CurveKeyError, open_engine_refusal, server_keys
 from shared.engine_args import add_engine_args, check_engine_args
 from shared.messages import Ready
 
@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="folder from `tandem keys`: admit only frontends holding a listed "
                              "keypair (CURVE; for tcp:// beyond loopback; default: "
                              "$TANDEM_CURVE_KEYS)")
+    parser.add_argument("--allow-unauthenticated-engine", action="store_true",
+                        help="listen on a tcp:// address beyond loopback without --curve-keys "
+                             "(refused otherwise): only on a network you trust")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     add_engine_args(parser)
@@ -47,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     problem = check_engine_args(args)
     if problem is not None:
         parser.error(problem)
+    refusal = open_engine_refusal(args.listen, args.curve_keys, args.allow_unauthenticated_engine)
+    if refusal is not None:
+        parser.error(refusal)
     if args.curve_keys is not None:
         try:
             server_keys(args.curve_keys)  # before the model loads: a wrong folder fails at once
@@ -72,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization, max_logprobs=args.max_logprobs,
             generation_config=args.generation_config,
             enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype, device=args.device,
-            seed=args.seed, num_threads=args.num_threads, trust_remote_code=args.trust_remote_code)
+            seed=args.seed, num_threads=args.num_threads, trust_remote_code=args.trust_remote_code,
+            enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+            cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None)
         core = EngineCore(config)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"tandem engine: cannot start: {e}", file=sys.stderr)

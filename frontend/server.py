@@ -39,6 +39,9 @@ from frontend.openai.chat import ServingChat
 from frontend.openai.completions import ServingCompletions
 from frontend.openai.plan import REQUEST_LOG
 from frontend.openai.protocol import ModelList
+from frontend.openai.reasoning import ReasoningConfig
+from frontend.openai.responses import ServingResponses
+from frontend.openai.responses_store import ResponseStore
 from frontend.openai.served_model import (
     ServedModel,
     read_chat_template,
@@ -81,6 +84,9 @@ class FrontendConfig:
     ready_file: str | None = None  # touched once listening (the launcher waits for it)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     tool_call_parser: str | None = None  # "hermes" | "llama3_json"
+    reasoning_parser: str | None = None  # "deepseek_r1" | "qwen3": answers split (reasoning.py)
+    reasoning_field_alias: str | None = None  # "reasoning_content": sent too
+    responses_store_size: int = 0  # /v1/responses kept for previous_response_id (0: none)
     chat_template: str | None = None  # instead of the tokenizer's (the template itself)
     response_role: str = "assistant"  # the role of chat answers
     allowed_origins: tuple[str, ...] = ("*",)  # CORS, as vLLM's defaults
@@ -107,6 +113,7 @@ ENGINE = web.AppKey("engine", EngineClient)
 SERVED = web.AppKey("served", ServedModel)
 COMPLETIONS = web.AppKey("completions", ServingCompletions)
 CHAT = web.AppKey("chat", ServingChat)
+RESPONSES = web.AppKey("responses", ServingResponses)
 TOKENS = web.AppKey("tokens", ServingTokens)
 TRIMMER = web.AppKey("trimmer", MemoryTrimmer)
 FRONTEND_ID = f"{socket.gethostname()}:{os.getpid()}"
@@ -126,6 +133,7 @@ def init_app(
     app.on_response_prepare.append(add_retry_after)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)
@@ -172,7 +180,13 @@ async def engine_context(
             config.http_read_timeout, config.http_write_timeout)
         app[STREAMING] = StreamingOptions(config.stream_interval, config.merge_steps)
         app[COMPLETIONS] = ServingCompletions(client, served)
-        app[CHAT] = ServingChat(client, served, config.auto_tool_parser, config.response_role)
+        reasoning = None if config.reasoning_parser is None else ReasoningConfig.load(
+            config.reasoning_parser, tokenizer, config.reasoning_field_alias)
+        app[CHAT] = ServingChat(client, served, config.auto_tool_parser, config.response_role,
+                                reasoning)
+        store = ResponseStore(config.responses_store_size) if config.responses_store_size else None
+        app[RESPONSES] = ServingResponses(client, served, config.tool_call_parser, reasoning,
+                                          store)
         app[TOKENS] = ServingTokens(served, ready.tokenizer)
         logger.info(
             "engine at %s ready: model %s, max_model_len %d",
@@ -240,6 +254,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await request.app[CHAT].handle(request)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await request.app[RESPONSES].handle(request)
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -368,6 +386,9 @@ def parse_args(argv: list[str] | None = None) -> FrontendConfig:
         ready_file=args.ready_file,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        reasoning_field_alias=args.reasoning_field_alias,
+        responses_store_size=args.responses_store_size,
         chat_template=read_chat_template(args.chat_template),
         response_role=args.response_role,
         allowed_origins=tuple(args.allowed_origins),

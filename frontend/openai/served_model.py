@@ -118,7 +118,8 @@ def template_messages(
     messages: list[ChatMessage], has_developer_role: bool
 ) -> list[dict[str, Any]]:
     """The messages as dicts for `apply_chat_template`; developer becomes system where the
-    template does not know the developer role."""
+    template does not know the developer role; an assistant message's thinking is given as
+    both `reasoning` and `reasoning_content` (its missing content as "")."""
     rendered = []
     for message in messages:
         item = msgspec.structs.asdict(message)
@@ -126,6 +127,11 @@ def template_messages(
         item["content"] = content_text(message.content)
         if message.role == "developer" and not has_developer_role:
             item["role"] = "system"
+        reasoning = message.reasoning or message.reasoning_content
+        if reasoning is not None:  # templates read one name or the other
+            item["reasoning"] = item["reasoning_content"] = reasoning
+            if item["content"] is None:
+                item["content"] = ""
         rendered.append(item)
     return rendered
 

@@ -63,8 +63,10 @@ class SSEWriter:
     def encode(self, payload: Chunk) -> bytes:
         return payload if isinstance(payload, bytes) else self._encoder.encode(payload)
 
-    async def send(self, payload: Chunk) -> None:
-        await self._write(events([self.encode(payload)]))
+    async def send(self, payload: Chunk, event: str | None = None) -> None:
+        """One `data:` event; named by an `event:` line when given (the Responses API's)."""
+        data = events([self.encode(payload)])
+        await self._write(data if event is None else b"event: %b\n%b" % (event.encode(), data))
 
     async def send_all(self, payloads: Sequence[bytes]) -> None:
         """Several events in one write."""
@@ -95,6 +97,10 @@ class SSEWriter:
 
     async def done(self) -> web.StreamResponse:
         await self.send(b"[DONE]")
+        return await self.end()
+
+    async def end(self) -> web.StreamResponse:
+        """End the stream (after [DONE], or without it where the API sends none)."""
         await self._guarded(self.response.write_eof())
         return self.response
 
