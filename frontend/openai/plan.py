@@ -193,8 +193,10 @@ def read_sampling(req: SamplingRequest, api: ApiFields, served: ServedModel) -> 
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         return_tokens_as_token_ids=api.return_tokens_as_token_ids,
-        # chat's logprobs are built from the generated tokens, completions' from the entries
-        generated_tokens=api.logprobs is not None and not api.logprob_entries,
+        # chat's logprobs are built from the generated tokens, completions' from the entries;
+        # a reasoning answer counts its thinking's tokens (the Responses API's usage)
+        generated_tokens=(api.logprobs is not None and not api.logprob_entries
+                          or api.reasoning is not None),
     )
     return SamplingPlan(params, options, api.max_tokens, req.min_tokens, req.seed,
                         None if constraint is None else constraint.param)
