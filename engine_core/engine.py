@@ -102,6 +102,7 @@ class EngineCore:
         self.prompt_logprobs = PromptLogprobsAccumulator()
         self.async_scheduling = self.platform.async_scheduling
         self._inflight: _Launched | None = None  # an overlapped step not completed yet
+        self._said_blocking = False  # logged once: a step the next one must wait for
         self._refused: list[_Refusal] = []
         self._arrivals = itertools.count()
         self.counts = EngineStats()  # the engine's own counters; stats() adds the rest
@@ -195,13 +196,21 @@ class EngineCore:
                         self._inflight = launched
         except Exception as exc:  # one bad step must not end the engine
             # Fail only what this step ran (everything, if scheduling itself failed): the
-            # requests that caused it are gone, and the others keep running.
-            victims = ([s.request for s in sched.scheduled] if sched is not None
-                       else list(self.scheduler.requests.values()))
-            if inflight is not None:  # its tokens are lost with it
+            # requests that caused it are gone, and the others keep running. A step in flight
+            # completed before the failure keeps its news; one that was not loses its tokens.
+            if sched is not None:
+                victims = [s.request for s in sched.scheduled]
+            elif inflight is not None and inflight.blocks_next:
+                victims = []  # completing it failed: only its own requests
+            else:
+                victims = list(self.scheduler.requests.values())
+            if inflight is not None:
+                news = StepNews()
                 victims += [r for r in inflight.samplers if r not in victims]
+            else:  # finished (or aborted) requests have had their last row
+                victims = [r for r in victims if r.status is not Status.FINISHED]
             self._inflight = None
-            news = self._fail_step(victims, exc)
+            self._fail_step(victims, exc, news)
         _add_refusals(news, refused)
         self._structured_news(news, idle=not news and self._inflight is None)
         return self._pack(news)
@@ -229,6 +238,10 @@ class EngineCore:
             prompt_lps = self.prompt_logprobs.score_step(self.runner.head, sched.scheduled,
                                                          plan.prompt_rows, hidden)
         blocks_next = any(r.grammar is not None or r.reads_history for r in samplers)
+        if blocks_next and self.async_scheduling and not self._said_blocking:
+            self._said_blocking = True  # e.g. a model whose defaults set repetition_penalty
+            log.info("a step with a grammar or a penalty over the output: the next step waits "
+                     "for its tokens (no overlap for such steps)")
         return _Launched(sched, samplers, rows, sampled, prompt_lps, blocks_next)
 
     def _record(self, step: _Launched, placeholders: bool) -> None:
@@ -263,8 +276,9 @@ class EngineCore:
         if idle:
             self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
 
-    def _fail_step(self, victims: list[Request], exc: Exception) -> StepNews:
-        """A step raised: finish its requests with an error row each, count it, carry on."""
+    def _fail_step(self, victims: list[Request], exc: Exception, news: StepNews) -> None:
+        """A step raised: finish its requests with an error row each (added to `news`), count
+        it, carry on."""
         self.counts.step_errors += 1
         log.exception("step %d failed; %d request(s) finished with an error",
                       self.counts.steps, len(victims))
@@ -272,11 +286,9 @@ class EngineCore:
                    "see the engine log")
         ids = [req.request_id for req in victims]
         self.scheduler.finish_requests(ids, FinishReason.ERROR)
-        news = StepNews()
         for req in victims:
             self.prompt_logprobs.drop(req.request_id)
             news.add_finish(req.request_id, req.owner, FinishReason.ERROR, message=message)
-        return news
 
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -348,7 +348,8 @@ class Scheduler:
         finished: dict[str, Stop] = {}
         tokens = np.asarray(sampled_token_ids).tolist()  # Python ints, once
         samplers = out.samplers()
-        assert len(samplers) == len(tokens), "one sampled token per sampling request"
+        if len(samplers) != len(tokens):
+            raise ValueError(f"{len(tokens)} sampled tokens for {len(samplers)} sampling requests")
         appended = 0
         for req, token in zip(samplers, tokens):
             if req.status is Status.FINISHED:

@@ -53,7 +53,11 @@ def capture_sizes(max_num_seqs: int, given: Sequence[int] | None = None) -> tupl
     """The ladder of batch sizes: `given` (--cuda-graph-sizes, each at most max_num_seqs), else
     1, 2, 4, 8 and every 8 after, up to max_num_seqs and at most MAX_CAPTURE_SIZE."""
     if given:
-        return tuple(sorted({int(s) for s in given if 0 < int(s) <= max_num_seqs}))
+        sizes = tuple(sorted({int(s) for s in given if 0 < int(s) <= max_num_seqs}))
+        if not sizes:
+            log.warning("no --cuda-graph-sizes entry is within --max-num-seqs %d: no CUDA "
+                        "graphs, every decode step runs eagerly", max_num_seqs)
+        return sizes
     top = min(max_num_seqs, MAX_CAPTURE_SIZE)
     ladder = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 8))
     if ladder[-1] < top:

@@ -217,8 +217,10 @@ class ModelRunner:
         `keep_rows` (the LM head runs later, in `self.head`, on just the rows that need it),
         and where the step's requests are in the block table (for `note_sampled`).
         `previous`: the previous step's sampled tokens, on the device, where an overlapped
-        step left placeholders for them."""
+        step left placeholders for them (moved there if a host sampler made them)."""
         inputs = self.tables.inputs(sched.scheduled)
+        if previous is not None and previous.device != self.device:
+            previous = previous.to(self.device, non_blocking=True)
         size = self.graphs.size_for(inputs) if self.graphs is not None else None
         if size is not None:
             assert self.graphs is not None

@@ -7,7 +7,7 @@ against its reference, and timed, before any engine depends on it.
   fixed-shape torch reference in float32;
 - `write_kv` (K and V into their slots in one launch) against `index_copy_`, exactly;
 
-each at (decodes, context) of `Sizes.kernel_cases`: (64, 1k) and (1, 32k) on the GPU, in
+each at (decodes, context) of `Sizes.kernel_cases`: (64, 1k), (1, 32k) and (3, 1061) on the GPU, in
 bf16, the model's heads (32 query / 8 KV, head dim 64), blocks of 16 scattered in the cache.
 A kernel that fails (an error, or outside its tolerance) switches every later stage (and the
 served engine) to its fallback through the platform's environment variable: the decode to
@@ -192,6 +192,6 @@ def time_ms(launch: Callable[[], object], device: str, runs: int = 20) -> float:
 
 if __name__ == "__main__":  # the interpreted run: python -m tests.device.check_kernels JSON
     args = json.loads(sys.argv[1])
-    dry_cases = ((2, 48), (1, 80))  # the interpreter runs each program in Python
+    dry_cases = ((2, 48), (1, 80), (3, 37))  # the interpreter runs each program in Python
     heads, kv_heads, dim = args["shape"]
     print(json.dumps(check_all("cpu", torch.float32, (heads, kv_heads, dim), dry_cases)))

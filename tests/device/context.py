@@ -54,7 +54,8 @@ class Sizes:
     structured_new_tokens: int = 96  # each constrained request's max_tokens
     max_model_len: int | None = None  # the in-process engines' (None: the model's)
     # the kernels stage's (decodes, context) cases
-    kernel_cases: tuple[tuple[int, int], ...] = ((64, 1024), (1, 32768))
+    # the last: a context that fills neither a block (16) nor a tile (64), for the masking
+    kernel_cases: tuple[tuple[int, int], ...] = ((64, 1024), (1, 32768), (3, 1061))
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -156,3 +156,42 @@ def test_overlapped_steps_on_the_cuda_paths_code(tiny_llama, tokenizer, monkeypa
     assert sum(core.runner.graphs.replays.values()) > 0  # type: ignore[union-attr]
     assert_drained(core)
     assert core.blocks.num_free_blocks == core.blocks.num_blocks
+
+
+@pytest.mark.parametrize("fail_call", [1, 2])
+def test_a_step_that_fails_while_completing_fails_only_its_own_requests(
+        tiny_llama, tokenizer, monkeypatch, fail_call):
+    """Overlapped: completing a step whose tokens the next one needs on the host (penalties)
+    raises once. Its request ends with an error; one that waits for a seat is not touched and
+    is served after, and nothing finished before the failure loses its rows."""
+    prompts = make_prompts(tokenizer, n=3)
+    core = cpu_engine(tiny_llama, overlap=True, num_kv_blocks=200, max_num_seqs=1)
+    real, calls = core.scheduler.resolve, [0]
+
+    def flaky(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == fail_call:
+            raise RuntimeError("a matcher broke")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core.scheduler, "resolve", flaky)
+    core.add_request("short", prompts[2], SamplingParams(max_tokens=1, temperature=0.0))
+    core.add_request("penalized", prompts[0], SamplingParams(
+        max_tokens=6, temperature=0.0, repetition_penalty=1.3))
+    core.add_request("waiter", prompts[1], SamplingParams(max_tokens=5, temperature=0.0))
+    results: dict[str, Collected] = {}
+    steps = 0
+    while core.has_work:
+        for out in core.step().values():
+            absorb(out, results)
+        steps += 1
+        assert steps < 200
+    failed = "short" if fail_call == 1 else "penalized"
+    assert results[failed].finish == "error", results
+    assert {rid for rid, c in results.items() if c.finish == "error"} == {failed}
+    assert len(results["waiter"].token_ids) == 5 and results["waiter"].finish == "length"
+    if fail_call == 2:
+        assert results["short"].finish == "length" and len(results["short"].token_ids) == 1
+    assert core.stats().step_errors == 1
+    assert_drained(core)
+    assert core.blocks.num_free_blocks == core.blocks.num_blocks
