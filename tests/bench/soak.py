@@ -43,6 +43,9 @@ With --faults, every --fault-every-s seconds one fault, in turn:
 The summary's `rss_engine_tail` is the engine's RssAnon (private memory, without mapped files'
 pages, which the kernel drops under memory pressure) over the last 20 minutes (the last two
 thirds of a shorter run): its spread, (max - min) / min, says whether memory levelled off.
+Two series: each window's floor (the least of a reading every second: what the engine keeps
+between its steps' working sets, which a leak lifts) and one reading at each window's end
+(which also holds whatever the step running then allocated: up to ~65 MB on the tiny model).
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ SHORT_PAUSE_S = 1.0  # within the frontends' liveness bound: nothing may fail
 LONG_PAUSE_S = 5.0  # beyond it: the engine is declared unavailable, then comes back
 STALL_PAUSE_S = 15.0  # beyond the stall floor (shared.transport.DEFAULT_STALL_FLOOR_S, 10 s)
 TAIL_S = 20 * 60.0  # the part of the run whose engine RSS must be flat
+PROBE_S = 1.0  # the engine's RssAnon is read this often (each window keeps its least)
 OUTAGE_GRACE_S = 3.0  # after SIGCONT, failures still counted as the outage's
 OUTAGE_BACKOFF_S = 1.0  # a client's wait after a 503 (the frontends send Retry-After: 1)
 FAULT_KINDS = ("frontend-kill", "engine-pause-short", "engine-pause-long",
@@ -178,6 +182,7 @@ class Window:
     # sampled at the window's end
     rss_engine_mb: float = 0.0
     anon_engine_mb: float = 0.0  # RssAnon: what a leak would grow
+    anon_floor_mb: float = 0.0  # the window's least RssAnon (read every PROBE_S)
     rss_frontends_mb: list[float] = field(default_factory=list)
     running: float | None = None
     waiting: float | None = None
@@ -481,12 +486,19 @@ async def inject(kind: str, faults: Faults, url: str, model: str, launcher: int,
 
 
 def rss_tail(windows: list[Window], run_s: float) -> dict[str, float]:
-    """The engine's RssAnon over the run's last TAIL_S (its last two thirds if shorter)."""
+    """The engine's RssAnon over the run's last TAIL_S (its last two thirds if shorter): the
+    windows' floors (min, max, spread_pct) and the readings at their ends (sample_*)."""
     seconds = min(TAIL_S, run_s * 2 / 3)
-    tail = [w.anon_engine_mb for w in windows if w.t_end_s >= run_s - seconds] or [0.0]
-    low, high = min(tail), max(tail)
-    return {"seconds": seconds, "min": low, "max": high,
-            "spread_pct": round(100 * (high - low) / low, 2) if low else 0.0}
+    tail = [w for w in windows if w.t_end_s >= run_s - seconds]
+    floors = [w.anon_floor_mb for w in tail if w.anon_floor_mb] or [0.0]
+    samples = [w.anon_engine_mb for w in tail] or [0.0]
+
+    def spread(values: list[float]) -> float:
+        return round(100 * (max(values) - min(values)) / min(values), 2) if min(values) else 0.0
+
+    return {"seconds": seconds, "min": min(floors), "max": max(floors),
+            "spread_pct": spread(floors), "sample_min": min(samples),
+            "sample_max": max(samples), "sample_spread_pct": spread(samples)}
 
 
 # --- the run ----------------------------------------------------------------------------
@@ -544,6 +556,14 @@ async def drive(args: argparse.Namespace, url: str, launcher: int) -> dict[str, 
                 load.faults.log.append(entry)
                 print(f"fault: {entry}", flush=True)
 
+        async def memory_probe() -> None:
+            while time.monotonic() < end:
+                w, engine = load.window, server_pids(launcher)[0]
+                mb = round(rss_mb(engine, "RssAnon"), 1) if engine else 0.0
+                if mb and (not w.anon_floor_mb or mb < w.anon_floor_mb):
+                    w.anon_floor_mb = mb
+                await asyncio.sleep(PROBE_S)
+
         async def sampler() -> None:
             while True:
                 await asyncio.sleep(min(args.window_s, max(0.0, end - time.monotonic())))
@@ -572,7 +592,7 @@ async def drive(args: argparse.Namespace, url: str, launcher: int) -> dict[str, 
         tasks = [asyncio.create_task(client()) for _ in range(args.concurrency)]
         if args.faults:
             tasks.append(asyncio.create_task(injector()))
-        await asyncio.gather(sampler(), *tasks)
+        await asyncio.gather(sampler(), memory_probe(), *tasks)
         # whatever finished after the last sample (clients finishing their last request)
         tail = load.window
         windows[-1].done += tail.done
@@ -604,7 +624,7 @@ async def drive(args: argparse.Namespace, url: str, launcher: int) -> dict[str, 
 
 
 HEADER = (f"{'t s':>6} {'done':>6} {'fail':>5} {'disc':>5} {'4xx':>4} {'fault':>5} {'ttft50':>7} "
-          f"{'e2e50':>7} {'run':>4} {'wait':>4} {'kv%':>5} {'engMB':>7} {'anonMB':>7} "
+          f"{'e2e50':>7} {'run':>4} {'wait':>4} {'kv%':>5} {'engMB':>7} {'anonMB':>7} {'floor':>7} "
           f"{'frontends MB':>16}")
 
 
@@ -618,7 +638,7 @@ def row(w: Window) -> str:
             f"{(f'{e2e:.0f}' if e2e is not None else '-'):>7} "
             f"{w.running if w.running is not None else '-':>4} "
             f"{w.waiting if w.waiting is not None else '-':>4} {kv} "
-            f"{w.rss_engine_mb:>7.1f} {w.anon_engine_mb:>7.1f} "
+            f"{w.rss_engine_mb:>7.1f} {w.anon_engine_mb:>7.1f} {w.anon_floor_mb:>7.1f} "
             f"{' '.join(f'{x:.1f}' for x in w.rss_frontends_mb):>16}")
 
 
@@ -735,8 +755,9 @@ def main() -> int:
     print(f"  engine RSS MB: first {r['first']}, last {r['last']}, max {r['max']} "
           f"({r['last'] - r['first']:+.1f})")
     tail = summary["rss_engine_tail"]
-    print(f"  engine RssAnon MB over the last {tail['seconds']:.0f} s: {tail['min']}-{tail['max']} "
-          f"(spread {tail['spread_pct']:.2f}%)")
+    print(f"  engine RssAnon MB over the last {tail['seconds']:.0f} s: windows' floors "
+          f"{tail['min']}-{tail['max']} (spread {tail['spread_pct']:.2f}%), at the windows' ends "
+          f"{tail['sample_min']}-{tail['sample_max']} (spread {tail['sample_spread_pct']:.2f}%)")
     for i in range(len(fe_first)):
         print(f"  frontend {i} RSS MB: first {fe_first[i]}, "
               f"last {fe_last[i] if i < len(fe_last) else '-'}, max {fe_max[i]}")
