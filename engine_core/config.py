@@ -27,6 +27,9 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None => leave torch's choice
     trust_remote_code: bool = False
+    enforce_eager: bool = False  # no CUDA graphs
+    cuda_graph_sizes: tuple[int, ...] | None = None  # decode graphs' batch sizes; None: ladder
+    async_scheduling: bool | None = None  # overlapped steps; None: the platform's default
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
@@ -37,5 +40,7 @@ class EngineConfig:
             raise ValueError("--num-kv-blocks must be at least 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype {self.dtype!r}: choose auto, float32, bfloat16 or float16")
+        if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
+            raise ValueError("--cuda-graph-sizes must be positive batch sizes")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: choose auto, cpu or cuda")

@@ -3,6 +3,15 @@
 `step()` is the pipeline: schedule -> run the model -> sample -> update request states (the
 scheduler) -> pack outputs. The process wrapper (engine_core/process.py) feeds it from
 sockets; tests and the benchmark drive it in-process.
+
+Overlapped steps (--async-scheduling, as vLLM's): a step is queued on the device (`_launch`)
+and recorded as scheduled at once, a placeholder for each token it samples (`_record`); its
+outputs are taken (`_complete`) in the next call, after that call has queued its own step,
+whose decodes read the placeholders' tokens on the device. So the host schedules and prepares
+step N+1 while the device runs step N, and waits once a step, for step N's tokens. Everything
+else is as without: a request finished or aborted in between has its extra token dropped; a
+step whose next one needs its tokens on the host (a grammar's matcher, penalties over the
+output) is completed before anything else is scheduled.
 """
 
 from __future__ import annotations
@@ -19,13 +28,14 @@ from engine_core.config import EngineConfig
 from engine_core.outputs import StepNews
 from engine_core.sample.device_sampler import DeviceSampler
 from engine_core.sample.prompt_logprobs import PromptLogprobsAccumulator
-from engine_core.sample.sampler import Sampler, SamplerOutput
+from engine_core.sample.sampler import PendingSample, Sampler, SamplerOutput
 from engine_core.sched.block_manager import BlockManager
-from engine_core.sched.request import Request
+from engine_core.sched.request import Request, Status
 from engine_core.sched.scheduler import Scheduled, Scheduler, SchedulerOutput
 from engine_core.sched.stop_rules import Stop, StopRules
 from engine_core.structured.grammar import GrammarCompiler
 from engine_core.validation import params_error, prompt_ids
+from engine_core.worker.input_batch import StepRows
 from engine_core.worker.model_runner import ModelRunner
 from engine_core.worker.platform import Platform
 from engine_core.worker.threads import ThreadPolicy
@@ -41,6 +51,17 @@ from shared.step_outputs import Logprobs
 log = logging.getLogger(__name__)
 
 _GRAMMAR_WAIT_S = 0.005  # an idle step's wait for a compiling grammar: short, new input may come
+
+
+class _Launched(NamedTuple):
+    """A step queued on the device, not recorded as done yet."""
+
+    sched: SchedulerOutput
+    samplers: list[Request]
+    rows: StepRows  # where its requests are in the runner's block table
+    sampled: PendingSample
+    prompt_logprobs: dict[str, Logprobs]
+    blocks_next: bool  # the next step needs its tokens on the host first
 
 
 class _Refusal(NamedTuple):
@@ -79,6 +100,9 @@ class EngineCore:
                           self.platform.host_link())
             if self.platform.device_sampling else Sampler(self.facts.eos_token_ids, config.seed))
         self.prompt_logprobs = PromptLogprobsAccumulator()
+        self.async_scheduling = self.platform.async_scheduling
+        self._inflight: _Launched | None = None  # an overlapped step not completed yet
+        self._said_blocking = False  # logged once: a step the next one must wait for
         self._refused: list[_Refusal] = []
         self._arrivals = itertools.count()
         self.counts = EngineStats()  # the engine's own counters; stats() adds the rest
@@ -140,31 +164,55 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._refused)
+        return self.scheduler.has_work or bool(self._refused) or self._inflight is not None
 
     # -- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> dict[bytes, StepOutputs]:
-        """Run one step; return the news for each frontend (by owner identity)."""
+        """Run one step; return the news for each frontend (by owner identity). Overlapped,
+        the news is the previous step's (see the module docstring)."""
         self.counts.steps += 1
         refused, self._refused = self._refused, []
+        inflight, self._inflight = self._inflight, None
         sched: SchedulerOutput | None = None
+        news = StepNews()
         try:
-            news = StepNews()
-            sched = self.scheduler.schedule()
-            for req in sched.preempted:  # its prompt is computed, and scored, again
-                self.prompt_logprobs.drop(req.request_id)
-            if sched.scheduled:
-                with self.threads.step(sum(s.num_new for s in sched.scheduled)):
-                    self._execute(sched, news)
+            if inflight is not None and inflight.blocks_next:
+                self._complete(inflight, news)  # nothing else this call: the next one schedules
+                inflight = None
+            else:
+                sched = self.scheduler.schedule()
+                self._drop_preempted(sched.preempted)
+                launched = self._launch(sched, inflight) if sched.scheduled else None
+                if not self.async_scheduling and launched is not None:
+                    self._record(launched, placeholders=False)
+                    self._complete(launched, news)
+                elif self.async_scheduling:
+                    if inflight is not None:
+                        self._complete(inflight, news)
+                        inflight = None
+                    if launched is not None:
+                        self._record(launched, placeholders=True)
+                        self._inflight = launched
         except Exception as exc:  # one bad step must not end the engine
             # Fail only what this step ran (everything, if scheduling itself failed): the
-            # requests that caused it are gone, and the others keep running.
-            victims = ([s.request for s in sched.scheduled] if sched is not None
-                       else list(self.scheduler.requests.values()))
-            news = self._fail_step(victims, exc)
+            # requests that caused it are gone, and the others keep running. A step in flight
+            # completed before the failure keeps its news; one that was not loses its tokens.
+            if sched is not None:
+                victims = [s.request for s in sched.scheduled]
+            elif inflight is not None and inflight.blocks_next:
+                victims = []  # completing it failed: only its own requests
+            else:
+                victims = list(self.scheduler.requests.values())
+            if inflight is not None:
+                news = StepNews()
+                victims += [r for r in inflight.samplers if r not in victims]
+            else:  # finished (or aborted) requests have had their last row
+                victims = [r for r in victims if r.status is not Status.FINISHED]
+            self._inflight = None
+            self._fail_step(victims, exc, news)
         _add_refusals(news, refused)
-        self._structured_news(news, idle=sched is None or not sched.scheduled)
+        self._structured_news(news, idle=not news and self._inflight is None)
         return self._pack(news)
 
     def _pack(self, news: StepNews) -> dict[bytes, StepOutputs]:
@@ -173,22 +221,50 @@ class EngineCore:
         self.counts.output_rows += len(news)
         return outputs
 
-    def _execute(self, sched: SchedulerOutput, news: StepNews) -> None:
-        plan = _plan_rows(sched.scheduled)
-        hidden = self.runner.execute(sched, plan.keep)
-        samplers = sched.samplers()
-        sampled = self._sample(samplers, hidden[plan.num_prompt_rows:])
-        prompt_lps = self.prompt_logprobs.score_step(self.runner.head, sched.scheduled,
-                                                     plan.prompt_rows, hidden)
-        finished = self.scheduler.update_from_output(sched, sampled.token_ids)
-        _add_sampled(news, samplers, sampled, finished)
-        _add_prompt_only(news, sched.scheduled, finished)
-        _attach_prompt_logprobs(news, prompt_lps)
+    def _drop_preempted(self, preempted: list[Request]) -> None:
+        for req in preempted:  # its prompt is computed, and scored, again
+            self.prompt_logprobs.drop(req.request_id)
+        self.runner.release(preempted)
 
-    def _sample(self, samplers: list[Request], hidden: torch.Tensor) -> SamplerOutput:
+    def _launch(self, sched: SchedulerOutput, previous: _Launched | None) -> _Launched:
+        """Queue the step: the forward (its decodes' tokens from `previous` where they are
+        placeholders), the sampling, the prompt logprobs."""
+        plan = _plan_rows(sched.scheduled)
+        with self.threads.step(sched.num_tokens):
+            hidden, rows = self.runner.execute(
+                sched, plan.keep, previous.sampled.tokens if previous is not None else None)
+            samplers = sched.samplers()
+            sampled = self._sample(samplers, hidden[plan.num_prompt_rows:])
+            prompt_lps = self.prompt_logprobs.score_step(self.runner.head, sched.scheduled,
+                                                         plan.prompt_rows, hidden)
+        blocks_next = any(r.grammar is not None or r.reads_history for r in samplers)
+        if blocks_next and self.async_scheduling and not self._said_blocking:
+            self._said_blocking = True  # e.g. a model whose defaults set repetition_penalty
+            log.info("a step with a grammar or a penalty over the output: the next step waits "
+                     "for its tokens (no overlap for such steps)")
+        return _Launched(sched, samplers, rows, sampled, prompt_lps, blocks_next)
+
+    def _record(self, step: _Launched, placeholders: bool) -> None:
+        """The step's progress in the scheduler, its tokens as placeholders if still queued."""
+        self.scheduler.advance(step.sched, placeholders)
+        if placeholders:
+            self.runner.note_placeholders(step.rows)
+
+    def _complete(self, step: _Launched, news: StepNews) -> None:
+        """Wait for the step's tokens, give them to their requests, and add its news."""
+        sampled = step.sampled.result()
+        alive = [r.status is not Status.FINISHED for r in step.samplers]
+        finished = self.scheduler.resolve(step.sched, sampled.token_ids)
+        self.runner.note_sampled(step.rows, sampled.token_ids)
+        _add_sampled(news, step.samplers, sampled, finished, alive)
+        _add_prompt_only(news, step.sched.scheduled, finished)
+        _attach_prompt_logprobs(news, step.prompt_logprobs)
+
+    def _sample(self, samplers: list[Request], hidden: torch.Tensor) -> PendingSample:
         if not samplers:
-            return SamplerOutput(np.zeros(0, np.int64), np.zeros(0, np.int64), None)
-        return self.sampler(self.runner.head, hidden, samplers)
+            return PendingSample.done(SamplerOutput(np.zeros(0, np.int64),
+                                                    np.zeros(0, np.int64), None))
+        return self.sampler.sample_later(self.runner.head, hidden, samplers)
 
     def _structured_news(self, news: StepNews, idle: bool) -> None:
         """Refuse the requests whose grammar failed to compile (the compiler says why); with
@@ -200,8 +276,9 @@ class EngineCore:
         if idle:
             self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
 
-    def _fail_step(self, victims: list[Request], exc: Exception) -> StepNews:
-        """A step raised: finish its requests with an error row each, count it, carry on."""
+    def _fail_step(self, victims: list[Request], exc: Exception, news: StepNews) -> None:
+        """A step raised: finish its requests with an error row each (added to `news`), count
+        it, carry on."""
         self.counts.step_errors += 1
         log.exception("step %d failed; %d request(s) finished with an error",
                       self.counts.steps, len(victims))
@@ -209,11 +286,9 @@ class EngineCore:
                    "see the engine log")
         ids = [req.request_id for req in victims]
         self.scheduler.finish_requests(ids, FinishReason.ERROR)
-        news = StepNews()
         for req in victims:
             self.prompt_logprobs.drop(req.request_id)
             news.add_finish(req.request_id, req.owner, FinishReason.ERROR, message=message)
-        return news
 
     # -- introspection ----------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -247,20 +322,22 @@ class _RowPlan(NamedTuple):
 
 
 def _plan_rows(scheduled: list[Scheduled]) -> _RowPlan:
+    ends = list(itertools.accumulate(s.num_new for s in scheduled))
+    if all(s.request.prompt_logprobs_done for s in scheduled):  # no prompt scored this step
+        keep = np.fromiter((end - 1 for s, end in zip(scheduled, ends) if s.samples), np.int64)
+        return _RowPlan(keep, [(0, 0)] * len(scheduled), 0)
     prompt_keep: list[int] = []
     sample_keep: list[int] = []
     prompt_rows = []
-    offset = 0
-    for s in scheduled:
-        req = s.request
+    for s, end in zip(scheduled, ends):
+        req, offset = s.request, end - s.num_new
         lo = len(prompt_keep)
         if not req.prompt_logprobs_done:
-            end = min(s.start + s.num_new, req.num_prompt_tokens - 1)
-            prompt_keep.extend(range(offset, offset + max(0, end - s.start)))
+            last = min(s.start + s.num_new, req.num_prompt_tokens - 1)
+            prompt_keep.extend(range(offset, offset + max(0, last - s.start)))
         prompt_rows.append((lo, len(prompt_keep)))
         if s.samples:
-            sample_keep.append(offset + s.num_new - 1)
-        offset += s.num_new
+            sample_keep.append(end - 1)
     keep = np.asarray(prompt_keep + sample_keep, dtype=np.int64)
     return _RowPlan(keep, prompt_rows, len(prompt_keep))
 
@@ -271,21 +348,28 @@ def _add_refusals(news: StepNews, refused: list[_Refusal]) -> None:
 
 
 def _add_sampled(news: StepNews, samplers: list[Request], sampled: SamplerOutput,
-                 finished: dict[str, Stop]) -> None:
-    """A row per request that sampled, with its logprobs row (if it asked) and its finish."""
+                 finished: dict[str, Stop], alive: list[bool]) -> None:
+    """A row per request that sampled, with its logprobs row (if it asked) and its finish;
+    none for a request finished before its token came (`alive` False)."""
     if not samplers:
         return
     lp_rows = np.full(len(samplers), -1, np.int64)
     lp_rows[sampled.logprob_rows] = np.arange(len(sampled.logprob_rows))
+    tokens = sampled.token_ids
+    if not all(alive):
+        keep = np.flatnonzero(np.asarray(alive))
+        samplers = [samplers[i] for i in keep]
+        lp_rows, tokens = lp_rows[keep], tokens[keep]
     lp_k = np.fromiter((-1 if r.params.logprobs is None else r.params.logprobs
                         for r in samplers), np.int64, len(samplers))
     first = len(news)
-    news.add_sampled([r.request_id for r in samplers], [r.owner for r in samplers],
-                     sampled.token_ids, sampled.logprobs, lp_rows, lp_k)
-    for i, req in enumerate(samplers):
-        stop = finished.get(req.request_id)
-        if stop is not None:
-            news.finish(first + i, stop.reason, stop.stop_token_id)
+    ids = [r.request_id for r in samplers]
+    news.add_sampled(ids, [r.owner for r in samplers], tokens, sampled.logprobs, lp_rows, lp_k)
+    if finished:
+        for i, rid in enumerate(ids):
+            stop = finished.get(rid)
+            if stop is not None:
+                news.finish(first + i, stop.reason, stop.stop_token_id)
 
 
 def _add_prompt_only(news: StepNews, scheduled: list[Scheduled],

@@ -10,12 +10,16 @@ frontends and the launcher judge it (`shared.transport.is_stalled`).
 one silent for `timeout_s` is gone (killed, crashed, partitioned), and nobody will read its
 requests' outputs: the busy loop aborts them instead of computing them to the end. Only
 identities that have pinged are judged, so a client that never pings (a test, a tool) is never
-taken for dead. Silence counts only while this process runs: the I/O thread ticks a few times a
-second, and a gap between its ticks (the whole engine stopped, e.g. SIGSTOP, or starved) is
-added to every frontend's last-heard time, since no ping could have been read meanwhile; until
-the I/O thread has ticked again after such a gap, nobody is judged (the pings that waited in the
-socket are read first). Without that, an engine resumed after a 5 s pause aborted the requests
-of every live frontend.
+taken for dead.
+
+Both count only time this process could run (`RunningClock`): the I/O thread ticks a few times
+a second, and a gap between its ticks (the whole engine stopped: SIGSTOP, a cgroup freezer or
+`docker pause`, a VM frozen or migrated, heavy swapping, a debugger) is nobody's doing. It is
+left out of every frontend's silence, since no ping could have been read meanwhile (without
+that, an engine resumed after a 5 s pause aborted the requests of every live frontend), and out
+of the loop's time without a step (without that, the first ping answered after a 10 s pause
+said "no step for 10 s", and the launcher killed a healthy engine as stuck). A step loop that is
+really stuck keeps the I/O thread ticking, so its time counts whole and it is still caught.
 
 Both are written by one thread and read by another with plain attribute stores and dict copies,
 which are atomic under the GIL: no lock on the busy loop's path.
@@ -30,12 +34,45 @@ from shared.messages import StepProgress
 
 Clock = Callable[[], float]
 
+TICK_S = 0.25  # the I/O thread's tick (its poll timeout)
+PAUSED_S = 1.0  # a gap between ticks this long: the process was stopped or starved
+
+
+class RunningClock:
+    """Seconds this process could run: a monotonic clock less every gap of more than PAUSED_S
+    between the I/O thread's ticks. A gap still open (resumed, the I/O thread not yet ticked)
+    is left out already, so whichever thread reads first after a pause, the clock never jumps
+    and never goes back."""
+
+    def __init__(self, wall: Clock = time.monotonic) -> None:
+        self._wall = wall
+        # (last tick, seconds paused before it): one tuple, so a reader on another thread sees
+        # both from the same tick
+        self._state = (wall(), 0.0)
+
+    def tick(self) -> None:
+        """The I/O thread is running (it calls this at least every TICK_S)."""
+        now = self._wall()
+        last_tick, paused = self._state
+        gap = now - last_tick
+        self._state = (now, paused + gap if gap > PAUSED_S else paused)
+
+    def __call__(self) -> float:
+        now = self._wall()
+        last_tick, paused = self._state
+        return (last_tick if now - last_tick > PAUSED_S else now) - paused
+
+    @property
+    def ticking(self) -> bool:
+        """No gap is open: the I/O thread has ticked within PAUSED_S."""
+        return self._wall() - self._state[0] <= PAUSED_S
+
 
 class LoopProgress:
     """The busy loop calls `waiting()`, `took_input()`, `step_started()`, `step_finished()`;
-    the I/O thread calls `snapshot()`."""
+    the I/O thread calls `snapshot()`. Times are the process's running time (`RunningClock`)."""
 
-    def __init__(self, clock: Clock = time.monotonic) -> None:
+    def __init__(self, clock: Clock) -> None:
         self._clock = clock
         self._busy = False
         self._last_progress = clock()
@@ -62,32 +99,17 @@ class LoopProgress:
         self._last_progress = now
 
     def snapshot(self) -> StepProgress:
-        since = self._clock() - self._last_progress if self._busy else 0.0
+        since = max(0.0, self._clock() - self._last_progress) if self._busy else 0.0
         return StepProgress(busy=self._busy, since_step_s=since, slowest_step_s=self._slowest)
-
-
-TICK_S = 0.25  # the I/O thread's tick (its poll timeout)
-PAUSED_S = 1.0  # a gap between ticks this long: the process was stopped or starved
 
 
 class FrontendLiveness:
     """Last-heard times per frontend identity (those that ping), and who went silent."""
 
-    def __init__(self, timeout_s: float = 5.0, clock: Clock = time.monotonic) -> None:
+    def __init__(self, clock: RunningClock, timeout_s: float = 5.0) -> None:
         self.timeout_s = timeout_s
         self._clock = clock
         self._heard: dict[bytes, float] = {}
-        self._last_tick = clock()
-
-    def tick(self) -> None:
-        """The I/O thread is running (it calls this at least every TICK_S): a gap since its last
-        tick is time nobody could be heard, added to everyone's last-heard time."""
-        now = self._clock()
-        gap = now - self._last_tick
-        if gap > PAUSED_S:
-            for ident, t in self._heard.copy().items():
-                self._heard[ident] = t + gap
-        self._last_tick = now
 
     def heard(self, identity: bytes, ping: bool) -> None:
         """A frame from `identity` (I/O thread); a ping makes it one that is judged."""
@@ -96,10 +118,10 @@ class FrontendLiveness:
 
     def lost(self) -> list[bytes]:
         """Identities silent for longer than the timeout; forgotten once returned (busy loop).
-        Nobody while the I/O thread has not ticked for PAUSED_S (it has pings to read first)."""
-        now = self._clock()
-        if now - self._last_tick > PAUSED_S:
+        Nobody while a gap is open (the I/O thread has pings to read first)."""
+        if not self._clock.ticking:
             return []
+        now = self._clock()
         gone = [ident for ident, t in self._heard.copy().items() if now - t > self.timeout_s]
         for ident in gone:
             self._heard.pop(ident, None)

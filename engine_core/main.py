@@ -9,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from shared.argv import ConfigFileError, normalize
-from shared.curve import CurveKeyError, server_keys
+from shared.curve import CurveKeyError, open_engine_refusal, server_keys
 from shared.engine_args import add_engine_args, check_engine_args
 from shared.kv_events import parse_kv_events_config
 from shared.messages import Ready
@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="this engine's rank among the engines behind the same frontends "
                              "(vLLM's flag): its label in metrics, its KV-event ports' offset, "
                              "the X-data-parallel-rank that pins a request to it")
+    parser.add_argument("--allow-unauthenticated-engine", action="store_true",
+                        help="listen on a tcp:// address beyond loopback without --curve-keys "
+                             "(refused otherwise): only on a network you trust")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     add_engine_args(parser)
@@ -54,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(problem)
     if args.data_parallel_rank < 0:
         parser.error(f"--data-parallel-rank {args.data_parallel_rank}: 0 or more")
+    refusal = open_engine_refusal(args.listen, args.curve_keys, args.allow_unauthenticated_engine)
+    if refusal is not None:
+        parser.error(refusal)
     if args.curve_keys is not None:
         try:
             server_keys(args.curve_keys)  # before the model loads: a wrong folder fails at once
@@ -79,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization, max_logprobs=args.max_logprobs,
             generation_config=args.generation_config,
             enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype, device=args.device,
-            seed=args.seed, num_threads=args.num_threads, trust_remote_code=args.trust_remote_code)
+            seed=args.seed, num_threads=args.num_threads, trust_remote_code=args.trust_remote_code,
+            enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+            cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None)
         core = EngineCore(config)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"tandem engine: cannot start: {e}", file=sys.stderr)

@@ -56,6 +56,9 @@ class StepNews:
             return {}
         tokens, lp_rows, lp_k = (np.concatenate(c) for c in (self._tokens, self._lp_rows,
                                                             self._lp_k))
+        if len(set(self.owners)) == 1:  # one frontend: every row, in order
+            return {self.owners[0]: self._pack(np.arange(len(self.owners)), tokens, lp_rows,
+                                               lp_k)}
         by_owner: dict[bytes, list[int]] = {}
         for row, owner in enumerate(self.owners):
             by_owner.setdefault(owner, []).append(row)
@@ -72,10 +75,15 @@ class StepNews:
 
     def _pack(self, rows: np.ndarray, tokens: np.ndarray, lp_rows: np.ndarray,
               lp_k: np.ndarray) -> StepOutputs:
-        local = {int(row): i for i, row in enumerate(rows)}
-        finished = [Finished(local[r], f.reason, f.stop_token_id, f.message)
-                    for r, f in self._finished.items() if r in local]
-        prompts = {local[r]: lps for r, lps in self._prompt_logprobs.items() if r in local}
+        if len(rows) == len(self.request_ids):  # every row (one frontend): indices as they are
+            finished = [Finished(r, f.reason, f.stop_token_id, f.message)
+                        for r, f in self._finished.items()]
+            prompts = dict(self._prompt_logprobs)
+        else:
+            local = {int(row): i for i, row in enumerate(rows)}
+            finished = [Finished(local[r], f.reason, f.stop_token_id, f.message)
+                        for r, f in self._finished.items() if r in local]
+            prompts = {local[r]: lps for r, lps in self._prompt_logprobs.items() if r in local}
         ks = lp_k[rows]
         logprobs = None
         if self.logprobs is not None and (ks >= 0).any():

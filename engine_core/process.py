@@ -30,11 +30,12 @@ import msgspec
 import zmq
 
 from engine_core.engine import EngineCore
-from engine_core.liveness import TICK_S, FrontendLiveness, LoopProgress
+from engine_core.liveness import TICK_S, FrontendLiveness, LoopProgress, RunningClock
 from engine_core.metrics import HistogramTotals
 from shared.curve import secure_server, warn_if_open
 from shared.kv_events import KvEventsConfig
 from shared.kv_publisher import KvEventPublisher
+from shared.memory import MemoryTrimmer
 from shared.messages import (
     AbortRequest,
     AddRequest,
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 _OUT_ADDR = "inproc://tandem-engine-out"
 IDLE_POLL_S = 0.5  # how often an idle loop looks at the stop flag (it blocks on the queue)
 REAP_EVERY_S = 1.0  # how often the loop looks for frontends gone silent
+TRIM_EVERY_S = 10.0  # how often a busy loop gives the heap's free pages back (and on going idle)
 
 
 class EngineProcess:
@@ -76,9 +78,15 @@ class EngineProcess:
         # A plain flag, not an Event or a queue item: a signal handler may set it safely.
         self.stop_requested = False
         self.histograms = HistogramTotals()
-        self.progress = LoopProgress()
-        self.frontends = FrontendLiveness(frontend_timeout_s)
+        self.clock = RunningClock()  # time this process could run: pauses are nobody's doing
+        self.progress = LoopProgress(self.clock)
+        self.frontends = FrontendLiveness(self.clock, frontend_timeout_s)
         self._next_reap = time.monotonic() + REAP_EVERY_S
+        # glibc keeps what a step frees at the heap's high-water mark, which moves with the
+        # largest steps: trimmed now and then, RSS is what the engine holds (docs/reliability.md)
+        self.trimmer = MemoryTrimmer()
+        self._next_trim = time.monotonic() + TRIM_EVERY_S
+        self._stepped_since_trim = False
         self.router = self.ctx.socket(zmq.ROUTER)
         configure(self.router)
         if curve_keys is None:
@@ -108,10 +116,13 @@ class EngineProcess:
         """One turn of the busy loop. A refusal is queued as soon as its request is taken,
         not with the next step's outputs: a 503 then waits at most for the rest of the step
         running when its request came, never for a whole step more."""
+        if not self.core.has_work:
+            self._trim_heap(idle=True)
         self._take_inputs(block=not self.core.has_work)
         self._send(self.core.take_refusals())
         if self.core.has_work:
             self._step()
+            self._trim_heap(idle=False)
         self._reap_lost_frontends()
 
     def stop(self) -> None:
@@ -182,6 +193,17 @@ class EngineProcess:
             return UtilityResult(msg.call_id)
         return UtilityResult(msg.call_id, error=f"unknown utility method {msg.method!r}")
 
+    def _trim_heap(self, idle: bool) -> None:
+        """Every TRIM_EVERY_S of steps, and when the loop goes idle after steps (2-25 ms a
+        trim measured here, so not after every step)."""
+        now = time.monotonic()
+        if not idle:
+            self._stepped_since_trim = True
+        if self._stepped_since_trim and (idle or now >= self._next_trim):
+            self.trimmer.trim()
+            self._stepped_since_trim = False
+            self._next_trim = now + TRIM_EVERY_S
+
     def _reap_lost_frontends(self) -> None:
         """Abort the requests of frontends gone silent: nobody is left to read them."""
         now = time.monotonic()
@@ -206,7 +228,7 @@ class EngineProcess:
         poller.register(self.out_pull, zmq.POLLIN)
         while True:
             events = poller.poll(int(TICK_S * 1000))
-            self.frontends.tick()
+            self.clock.tick()
             for sock, _ in events:
                 if sock is self.out_pull:
                     self.router.send_multipart(self.out_pull.recv_multipart(copy=False), copy=False)

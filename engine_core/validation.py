@@ -91,6 +91,8 @@ def _penalty_error(p: SamplingParams) -> str | None:
 def _token_ids_error(p: SamplingParams, vocab_size: int) -> str | None:
     if not _ids_in_range(p.stop_token_ids, vocab_size):
         return f"stop_token_ids must be in [0, {vocab_size})"
+    if not _ids_in_range(p.reasoning_end, vocab_size):
+        return f"reasoning_end token ids must be in [0, {vocab_size})"
     if p.logit_bias:
         if not _ids_in_range(p.logit_bias, vocab_size):
             return f"logit_bias keys must be token ids in [0, {vocab_size})"

@@ -32,6 +32,7 @@ from shared.curve import (
     CurveKeyError,
     client_keys,
     create_keys,
+    open_engine_refusal,
     secure_client,
     server_keys,
 )
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="folder from `tandem keys`: the engine admits only CURVE clients "
                             "holding its keys (for a tcp:// --engine-address; default: "
                             "$TANDEM_CURVE_KEYS)")
+    serve.add_argument("--allow-unauthenticated-engine", action="store_true",
+                       help="let a tcp:// --engine-address beyond loopback go without "
+                            "--curve-keys (refused otherwise): only on a network you trust")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     serve.add_argument("--ready-timeout", type=float, default=900.0,
@@ -117,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keys":
         return write_keys(args.dir)
     check_frontend_args(parser, args)
-    problem = check_engine_args(args)
+    problem = check_engine_args(args) or open_engine_refusal(
+        args.engine_address or "", args.curve_keys, args.allow_unauthenticated_engine)
     if problem is not None:
         parser.error(problem)
     if args.api_server_count < 1:
@@ -233,7 +238,8 @@ class Launcher:
         # steps that a busy frontend would stall. A data-parallel engine's cores are its share.
         cmd = [sys.executable, "-m", "engine_core", *([args.model] if args.model else []),
                "--listen", place.address, "--log-level", args.log_level,
-               *engine_argv(self.engine_args), *_curve_argv(args)]
+               *engine_argv(self.engine_args), *_curve_argv(args),
+               *(["--allow-unauthenticated-engine"] if args.allow_unauthenticated_engine else [])]
         if len(self.places) > 1:
             cmd += ["--data-parallel-rank", str(place.rank)]
         env = dict(os.environ)

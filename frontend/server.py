@@ -38,18 +38,27 @@ from frontend.engine.group import PINNED_RANK, EngineGroup
 from frontend.engine.routing import RoutingConfig, add_routing_args, routing_config
 from frontend.errors import Handler, OpenAIError, bad_request, error_middleware
 from frontend.http_limits import HTTP_LIMITS, HttpLimits, body_limit, body_middleware
+from frontend.memory import MemoryTrimmer, settle_gc
 from frontend.metrics import CONTENT_TYPE, render
 from frontend.openai.chat import ServingChat
 from frontend.openai.completions import ServingCompletions
 from frontend.openai.plan import REQUEST_LOG
 from frontend.openai.protocol import ModelList
+from frontend.openai.reasoning import ReasoningConfig
+from frontend.openai.responses import ServingResponses
+from frontend.openai.responses_store import ResponseStore
 from frontend.openai.served_model import (
     ServedModel,
     read_chat_template,
     template_reads_tools,
     use_chat_template,
 )
-from frontend.openai.serving import RETRY_AFTER_S, json_response
+from frontend.openai.serving import (
+    RETRY_AFTER_S,
+    STREAMING,
+    StreamingOptions,
+    json_response,
+)
 from frontend.openai.tokens import ServingTokens
 from frontend.options import add_frontend_args, check_frontend_args
 from frontend.text.tokenizer import load_tokenizer
@@ -80,6 +89,9 @@ class FrontendConfig:
     ready_file: str | None = None  # touched once listening (the launcher waits for it)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     tool_call_parser: str | None = None  # "hermes" | "llama3_json"
+    reasoning_parser: str | None = None  # "deepseek_r1" | "qwen3": answers split (reasoning.py)
+    reasoning_field_alias: str | None = None  # "reasoning_content": sent too
+    responses_store_size: int = 0  # /v1/responses kept for previous_response_id (0: none)
     chat_template: str | None = None  # instead of the tokenizer's (the template itself)
     response_role: str = "assistant"  # the role of chat answers
     allowed_origins: tuple[str, ...] = ("*",)  # CORS, as vLLM's defaults
@@ -99,6 +111,9 @@ class FrontendConfig:
     def engine_addresses(self) -> tuple[str, ...]:
         return (self.engine_address, *self.more_engines)
 
+    stream_interval: int = 1  # streamed tokens per chunk (vLLM's --stream-interval)
+    merge_steps: int = 1  # tests only: engine steps each stream waits for before it writes
+
     @property
     def auto_tool_parser(self) -> str | None:
         """The parser of tool_choice "auto", or None when it is not enabled."""
@@ -110,7 +125,9 @@ ENGINE = web.AppKey("engine", EngineGroup)
 SERVED = web.AppKey("served", ServedModel)
 COMPLETIONS = web.AppKey("completions", ServingCompletions)
 CHAT = web.AppKey("chat", ServingChat)
+RESPONSES = web.AppKey("responses", ServingResponses)
 TOKENS = web.AppKey("tokens", ServingTokens)
+TRIMMER = web.AppKey("trimmer", MemoryTrimmer)
 FRONTEND_ID = f"{socket.gethostname()}:{os.getpid()}"
 
 
@@ -123,11 +140,13 @@ def init_app(
     app = web.Application(middlewares=[cors, error_middleware, auth_middleware, body_middleware,
                                        pin_middleware])
     app[CONFIG] = config
+    app[TRIMMER] = MemoryTrimmer()
     app.cleanup_ctx.append(partial(engine_context, tokenizer_loader=tokenizer_loader))
     app.on_response_prepare.append(add_frontend_header)
     app.on_response_prepare.append(add_retry_after)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)
@@ -158,6 +177,7 @@ async def engine_context(
         tokenizer = await asyncio.get_running_loop().run_in_executor(
             None, tokenizer_loader, ready.tokenizer
         )
+        app[TRIMMER].trim()  # what loading tokenizer.json peaked at (frontend/memory.py)
         if config.chat_template is not None:
             use_chat_template(tokenizer, config.chat_template)
         if config.auto_tool_parser and not template_reads_tools(tokenizer):
@@ -171,8 +191,15 @@ async def engine_context(
         app[HTTP_LIMITS] = HttpLimits(
             body_limit(ready.max_model_len, config.max_request_body_bytes),
             config.http_read_timeout, config.http_write_timeout)
+        app[STREAMING] = StreamingOptions(config.stream_interval, config.merge_steps)
         app[COMPLETIONS] = ServingCompletions(client, served)
-        app[CHAT] = ServingChat(client, served, config.auto_tool_parser, config.response_role)
+        reasoning = None if config.reasoning_parser is None else ReasoningConfig.load(
+            config.reasoning_parser, tokenizer, config.reasoning_field_alias)
+        app[CHAT] = ServingChat(client, served, config.auto_tool_parser, config.response_role,
+                                reasoning)
+        store = ResponseStore(config.responses_store_size) if config.responses_store_size else None
+        app[RESPONSES] = ServingResponses(client, served, config.tool_call_parser, reasoning,
+                                          store)
         app[TOKENS] = ServingTokens(served, ready.tokenizer)
         logger.info(
             "engine at %s ready: model %s, max_model_len %d%s",
@@ -267,6 +294,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await request.app[CHAT].handle(request)
 
 
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await request.app[RESPONSES].handle(request)
+
+
 async def tokenize(request: web.Request) -> web.Response:
     return await request.app[TOKENS].tokenize(request)
 
@@ -305,6 +336,7 @@ async def serve(config: FrontendConfig) -> None:
     logging.getLogger(REQUEST_LOG).setLevel(request_level)
     runner = web.AppRunner(init_app(config), **runner_options(config))
     await runner.setup()  # connects to the engine; raises if it does not answer
+    settle_gc()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -397,6 +429,9 @@ def parse_args(argv: list[str] | None = None) -> FrontendConfig:
         ready_file=args.ready_file,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        reasoning_field_alias=args.reasoning_field_alias,
+        responses_store_size=args.responses_store_size,
         chat_template=read_chat_template(args.chat_template),
         response_role=args.response_role,
         allowed_origins=tuple(args.allowed_origins),
@@ -412,6 +447,8 @@ def parse_args(argv: list[str] | None = None) -> FrontendConfig:
         http_read_timeout=args.http_read_timeout,
         http_write_timeout=args.http_write_timeout,
         curve=curve,
+        stream_interval=args.stream_interval,
+        merge_steps=args.merge_steps,
     )
 
 

@@ -99,19 +99,39 @@ def serve_curve(sock: zmq.Socket, folder: str | os.PathLike[str]) -> None:  # ty
     sock.curve_secretkey = secret
 
 
-def warn_if_open(address: str) -> None:
-    """Log a warning when `address` is tcp:// on other than a loopback host (and no keys)."""
+def beyond_loopback(address: str) -> bool:
+    """Whether `address` is tcp:// on other than a loopback host (an interface or host name
+    counts as beyond: it is not provably local)."""
     if not address.startswith("tcp://"):
-        return
+        return False
     host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
     try:
-        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
-            return
-    except ValueError:  # an interface name or a host name: not provably local
-        pass
-    log.warning("the engine listens on %s without --curve-keys: anyone who reaches that port "
-                "can run requests, read stats and reset the cache; make keys with `tandem keys "
-                "DIR` and pass --curve-keys DIR to the engine and its frontends", address)
+        return not (host == "localhost" or ipaddress.ip_address(host).is_loopback)
+    except ValueError:
+        return True
+
+
+def open_engine_refusal(address: str, curve_keys: str | None, allowed: bool) -> str | None:
+    """The start-up error for an engine socket anyone who reaches it could use (tcp:// beyond
+    loopback, no keys), unless `allowed` (--allow-unauthenticated-engine); else None. As in
+    Redis's protected mode: such a peer could run requests past --api-key, read stats and
+    flush the prefix cache."""
+    if curve_keys is not None or allowed or not beyond_loopback(address):
+        return None
+    return (f"the engine would listen on {address} without keys: anyone who reaches that port "
+            "could run requests past --api-key, read stats and flush the prefix cache. Make "
+            "keys with `tandem keys DIR` and pass --curve-keys DIR to the engine and its "
+            "frontends, or pass --allow-unauthenticated-engine on a network you trust")
+
+
+def warn_if_open(address: str) -> None:
+    """Log a warning when `address` is tcp:// beyond loopback (and no keys): allowed on purpose
+    (--allow-unauthenticated-engine), or an engine started without its command line."""
+    if beyond_loopback(address):
+        log.warning("the engine listens on %s without --curve-keys: anyone who reaches that "
+                    "port can run requests, read stats and reset the cache; make keys with "
+                    "`tandem keys DIR` and pass --curve-keys DIR to the engine and its "
+                    "frontends", address)
 
 
 def _load(folder: str | os.PathLike[str], name: str) -> tuple[bytes, bytes | None]:

@@ -79,12 +79,22 @@ _ENGINE_FLAGS = (
     ("--max-logprobs", {
         "type": int, "default": None,
         "help": "most logprobs a request may ask for (default and most: 20)"}),
+    ("--enforce-eager", {
+        "action": "store_true",
+        "help": "no CUDA graphs: every decode step runs eagerly (default: decode-only steps "
+                "replay graphs captured at start-up)"}),
+    ("--cuda-graph-sizes", {
+        "type": int, "nargs": "+", "default": None,
+        "help": "batch sizes of the decode steps' CUDA graphs (default: 1 2 4 8 16 24 ... up "
+                "to --max-num-seqs, at most 512)"}),
+    ("--async-scheduling", {
+        "action": argparse.BooleanOptionalAction, "default": None,
+        "help": "overlapped steps: the next step is scheduled and prepared while the device "
+                "runs this one (default: off)"}),
     # vLLM flags accepted so its command lines start; each says what it does here.
     ("--enable-chunked-prefill", {
         "action": argparse.BooleanOptionalAction, "default": True,
         "help": "no-op: prefills are always chunked under the step budget"}),
-    ("--enforce-eager", {
-        "action": "store_true", "help": "no-op: Tandem captures no CUDA graphs yet"}),
     ("--disable-log-stats", {
         "action": "store_true", "help": "no-op: the engine logs no periodic stats"}),
 )
@@ -127,7 +137,10 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         if kwargs.get("action") == "store_true":
             argv += [flag] if value else []
         elif kwargs.get("action") is argparse.BooleanOptionalAction:
-            argv += [flag if value else "--no-" + flag[2:]]
+            if value is not None:
+                argv += [flag if value else "--no-" + flag[2:]]
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
         elif value is not None:
             argv += [flag, str(value)]
     return argv

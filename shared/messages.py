@@ -71,6 +71,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     logprobs: int | None = None  # None => none; k => sampled token + top-k (k <= MAX_LOGPROBS)
     prompt_logprobs: int | None = None  # None => none; k => per prompt token + top-k
     structured: StructuredOutput | None = None  # None => unconstrained
+    # A constrained output that thinks first (a server with a reasoning parser): the token ids
+    # of the end-of-thinking marker. The grammar masks nothing until the output first ends with
+    # them, and applies from the next token on. Empty: the grammar applies from the first token.
+    reasoning_end: list[int] = []
 
 
 class Hello(_Wire, tag="hello"):

@@ -118,7 +118,7 @@ def pack_step(req_ids: list[str], token_ids: np.ndarray | Sequence[int], *,
 def unpack_step(out: StepOutputs) -> list[OutputRow]:
     """The rows of `out` that bring anything (a token, prompt logprobs or a finish)."""
     tokens = read_ints(out.token_ids)
-    logprobs = _token_logprobs(out)
+    logprobs = token_logprobs(out)
     prompts = {p.index: p for p in out.prompt_logprobs}
     finished = {f.index: f for f in out.finished}
     rows = []
@@ -132,7 +132,8 @@ def unpack_step(out: StepOutputs) -> list[OutputRow]:
     return rows
 
 
-def _token_logprobs(out: StepOutputs) -> list[TokenLogprob | None] | None:
+def token_logprobs(out: StepOutputs) -> list[TokenLogprob | None] | None:
+    """Row i's sampled-token logprobs (None where it has none), or None when no row has any."""
     if not out.lp_k:
         return None
     ks = read_ints(out.lp_k)
@@ -140,7 +141,8 @@ def _token_logprobs(out: StepOutputs) -> list[TokenLogprob | None] | None:
     sampled, ranks = read_floats(out.lp_sampled), read_ints(out.lp_rank)
     ids, vals = read_ints(out.lp_top_ids), read_floats(out.lp_top_vals)
     starts = [0, *ends[:-1]]
-    return [None if k < 0 else TokenLogprob(sampled[i], ranks[i], ids[a:b], vals[a:b])
+    new = tuple.__new__  # TokenLogprob(...) without the named tuple's __new__: per token
+    return [None if k < 0 else new(TokenLogprob, (sampled[i], ranks[i], ids[a:b], vals[a:b]))
             for i, (k, a, b) in enumerate(zip(ks, starts, ends))]
 
 
@@ -148,5 +150,6 @@ def prompt_rows(plp: PromptLogprobs) -> list[TokenLogprob]:
     """Prompt tokens 1..P-1, one TokenLogprob each."""
     logprobs, ranks = read_floats(plp.logprobs), read_ints(plp.ranks)
     ids, vals, k = read_ints(plp.top_ids), read_floats(plp.top_logprobs), plp.k
-    return [TokenLogprob(lp, rank, ids[i * k:(i + 1) * k], vals[i * k:(i + 1) * k])
+    new = tuple.__new__  # TokenLogprob(...) without the named tuple's __new__: per token
+    return [new(TokenLogprob, (lp, rank, ids[i * k:(i + 1) * k], vals[i * k:(i + 1) * k]))
             for i, (lp, rank) in enumerate(zip(logprobs, ranks))]

@@ -2,41 +2,37 @@
 
 The portable path (attention.py) masks SDPA, which on CUDA with grouped-query heads lands on
 the fp32 math kernel, and copies every decode's whole context each layer. Here, per layer:
-- the step's new K/V go into their cache slots (as the portable path);
+- the step's new K and V go into their cache slots in one launch (triton_attention.py);
 - prefill chunks: one call of torch's built-in FlashAttention-2 varlen kernel
   (`aten._flash_attention_forward` with cumulative lengths: packed, no mask, grouped-query
   heads as they are) over every chunk of the step. FlashAttention aligns its causal mask to
   the bottom right, so a chunk that follows a cached prefix or an earlier chunk attends to its
   whole context with no mask. Chunks that start their sequence read the step's own K/V; when
-  any chunk has context, each chunk's context is gathered from the cache (one index_select);
-- decodes: a Triton kernel reads each sequence's keys and values through its block table in
-  place, one program per sequence and query head, online softmax over tiles of TILE keys.
-  Without Triton, decodes join the varlen call as one-token chunks (contexts gathered).
-FlashAttention runs in bf16 and fp16 only: the platform picks this path for those dtypes
-(engine_core/worker/platform.py). The step's metadata is planned on the host with array ops
-(`plan`) and uploaded without a sync (host_link.py).
+  any chunk has context, each chunk's context is gathered from the cache (one index_select).
+  FlashAttention runs bf16 and fp16 only: in float32 the chunks go to SDPA one by one
+  (`sdpa_varlen`), the decodes and the KV write still to the Triton kernels;
+- decodes: the Triton kernel (triton_attention.py) reads each sequence's keys and values in
+  place, through its row of the runner's persistent block table on the device, all the query
+  heads of a KV head at once. Without Triton, decodes join the varlen call as one-token chunks.
+A decode-only step's decodes are every row of the step (`Decode.rows` None): no gather, no
+scatter, and nothing the host decides per step but the buffers' contents, so a CUDA graph can
+replay it (engine_core/worker/cuda_graphs.py). The step's metadata is planned on the host with
+array ops (`plan`) and uploaded without a sync (host_link.py), each array 16-byte aligned.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, no_type_check
+from typing import NamedTuple
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
+from engine_core.layers import triton_attention
 from engine_core.layers.attention import cache_slots
 from engine_core.layers.host_link import HostLink
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the decode kernel is only jitted where Triton is installed
-    triton = tl = None  # type: ignore[assignment]
-
-TILE = 64  # keys per iteration of the decode kernel
 
 
 class VarlenPlan(NamedTuple):
@@ -51,29 +47,28 @@ class VarlenPlan(NamedTuple):
 
 
 class DecodePlan(NamedTuple):
-    """Single-token decodes read in place through their block tables, on the host."""
+    """Single-token decodes read in place through the block table, on the host."""
 
-    rows: np.ndarray  # int64 [Bd]
-    block_table: np.ndarray  # int32 [Bd, nb]
+    rows: np.ndarray  # int64 [Bd] packed rows
+    table_rows: np.ndarray  # int32 [Bd] each decode's row of the block table
     seq_lens: np.ndarray  # int32 [Bd] context lengths, the new token included
 
 
-def plan(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndarray, block_size: int,
-         paged_decode: bool) -> tuple[VarlenPlan | None, DecodePlan | None]:
+def plan(starts: np.ndarray, num_new: np.ndarray, table: np.ndarray, table_rows: np.ndarray,
+         block_size: int, paged_decode: bool) -> tuple[VarlenPlan | None, DecodePlan | None]:
     """Which rows of the step go to the varlen call and which to the paged decode.
 
     starts[i], num_new[i]: sequence i computes positions [starts[i], starts[i] + num_new[i]),
-    its rows following those of sequence i - 1; block_table [B, max_blocks]. With
-    `paged_decode`, single-token rows go to the decode kernel, else to the varlen call."""
+    its rows following those of sequence i - 1; its blocks are row table_rows[i] of `table`
+    [R, W]. With `paged_decode`, single-token rows go to the decode kernel, else to the
+    varlen call."""
     offsets = np.cumsum(num_new) - num_new
     is_decode = (num_new == 1) if paged_decode else np.zeros(len(num_new), dtype=bool)
     dec = np.nonzero(is_decode)[0]
     decode = None
     if len(dec):
-        lens = starts[dec] + 1
-        width = -(-int(lens.max()) // block_size)
-        decode = DecodePlan(offsets[dec].astype(np.int64),
-                            block_table[dec, :width].astype(np.int32), lens.astype(np.int32))
+        decode = DecodePlan(offsets[dec].astype(np.int64), table_rows[dec].astype(np.int32),
+                            (starts[dec] + 1).astype(np.int32))
     chunks = np.nonzero(~is_decode)[0]
     if not len(chunks):
         return None, decode
@@ -82,7 +77,7 @@ def plan(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndarray, block
         np.cumsum(q) - q, q)
     kv = None
     if bool(starts[chunks].any()):
-        kv, _ = cache_slots(block_table, chunks, np.zeros(len(chunks), np.int64), ctx,
+        kv, _ = cache_slots(table, table_rows[chunks], np.zeros(len(chunks), np.int64), ctx,
                             block_size)
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (q, ctx))
     varlen = VarlenPlan(rows.astype(np.int64), None if kv is None else kv.astype(np.int64),
@@ -97,26 +92,32 @@ class Varlen(NamedTuple):
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    lengths: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # cu_q, cu_k on the host
 
 
 class Decode(NamedTuple):
-    rows: torch.Tensor
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
+    rows: torch.Tensor | None  # [Bd] packed rows of the decodes; None: every row of the step
+    table: torch.Tensor  # [R, W] int32: the runner's persistent block table
+    table_rows: torch.Tensor  # [Bd] int32: each decode's row of it
+    seq_lens: torch.Tensor  # [Bd] int32: context lengths, the new token included
+    splits: int = 1  # context splits of each decode (triton_attention.splits_for)
 
 
 class Kernels(NamedTuple):
     """varlen(q, k, v, batch, scale) -> out [Tq, H, D]: causal, bottom-right aligned;
-    decode(q, k_cache, v_cache, batch, scale, block_size) -> out [Bd, H, D], or None."""
+    decode(q, k_cache, v_cache, batch, scale, block_size) -> out [Bd, H, D], or None;
+    write_kv(key, value, k_cache, v_cache, slots): the step's K/V into their slots."""
 
     varlen: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Varlen, float], torch.Tensor]
     decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Decode, float, int],
                      torch.Tensor] | None
+    write_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                       None] = triton_attention.write_kv_reference
 
 
 @dataclass
 class CudaAttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    slot_mapping: torch.Tensor  # [T] int32: where each new token's K/V goes
     block_size: int
     varlen: Varlen | None
     decode: Decode | None
@@ -124,31 +125,40 @@ class CudaAttentionMetadata:
     kernels: Kernels
 
 
-def build_metadata(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndarray,
-                   block_size: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                   link: HostLink, kernels: Kernels) -> tuple[CudaAttentionMetadata, np.ndarray]:
-    """The step's metadata on the device (two uploads) and the packed tokens' positions."""
-    slots, positions = cache_slots(block_table, np.arange(len(starts)), starts, num_new,
-                                   block_size)
-    varlen, decode = plan(starts, num_new, block_table, block_size, kernels.decode is not None)
-    longs: list[np.ndarray] = [slots]
-    ints: list[np.ndarray] = []
+def build_metadata(starts: np.ndarray, num_new: np.ndarray, table: np.ndarray,
+                   table_rows: np.ndarray, device_table: torch.Tensor, block_size: int,
+                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], link: HostLink,
+                   kernels: Kernels) -> tuple[CudaAttentionMetadata, np.ndarray]:
+    """The step's metadata on the device (two uploads) and the packed tokens' positions.
+    `table` is the host's copy of `device_table`; sequence i's blocks are its row
+    table_rows[i]."""
+    slots, positions = cache_slots(table, table_rows, starts, num_new, block_size)
+    varlen, decode = plan(starts, num_new, table, table_rows, block_size,
+                          kernels.decode is not None)
+    longs: list[np.ndarray] = []
+    ints: list[np.ndarray] = [slots]  # int32, as a CUDA graph's: one kernel specialization
     if varlen is not None:
         longs += [varlen.rows] + ([] if varlen.kv_slots is None else [varlen.kv_slots])
         ints += [varlen.cu_q, varlen.cu_k]
     if decode is not None:
-        longs.append(decode.rows)
-        ints += [decode.block_table, decode.seq_lens]
-    up64 = iter(link.upload_many(longs, np.int64))
-    up32 = iter(link.upload_many(ints, np.int32) if ints else [])
-    slot_mapping = next(up64)
+        ints += [decode.table_rows, decode.seq_lens]
+        if varlen is not None:
+            longs.append(decode.rows)
+    up64 = iter(link.upload_many(longs, np.int64) if longs else [])
+    up32 = iter(link.upload_many(ints, np.int32))
+    slot_mapping = next(up32)
     on_varlen = on_decode = None
     if varlen is not None:
         rows = next(up64)
         kv = None if varlen.kv_slots is None else next(up64)
-        on_varlen = Varlen(rows, kv, next(up32), next(up32), varlen.max_q, varlen.max_k)
+        on_varlen = Varlen(rows, kv, next(up32), next(up32), varlen.max_q, varlen.max_k,
+                           (tuple(varlen.cu_q.tolist()), tuple(varlen.cu_k.tolist())))
     if decode is not None:
-        on_decode = Decode(next(up64), next(up32), next(up32))
+        table_rows_d, lens = next(up32), next(up32)
+        splits = triton_attention.splits_for(len(decode.rows), kv_caches[0][0].shape[1],
+                                             int(decode.seq_lens.max()))
+        on_decode = Decode(next(up64) if varlen is not None else None, device_table,
+                           table_rows_d, lens, splits)
     meta = CudaAttentionMetadata(slot_mapping, block_size, on_varlen, on_decode, kv_caches,
                                  kernels)
     return meta, positions
@@ -166,11 +176,14 @@ def cuda_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     meta = tandem_meta
     k_cache, v_cache = meta.kv_caches[module.layer_idx]  # type: ignore[index]
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
-    k_cache.index_copy_(0, meta.slot_mapping, k_new)
-    v_cache.index_copy_(0, meta.slot_mapping, v_new)
+    meta.kernels.write_kv(k_new, v_new, k_cache, v_cache, meta.slot_mapping)
     q = query[0].transpose(0, 1)  # [T, H, D]
-    out = q.new_empty(q.shape)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    dec = meta.decode
+    if dec is not None and dec.rows is None:  # a decode-only step: every row decodes
+        assert meta.kernels.decode is not None and meta.varlen is None
+        return meta.kernels.decode(q, k_cache, v_cache, dec, scale, meta.block_size)[None], None
+    out = q.new_empty(q.shape)
     if meta.varlen is not None:
         batch = meta.varlen
         qv = q.index_select(0, batch.rows)
@@ -179,16 +192,15 @@ def cuda_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         else:
             kv = k_cache.index_select(0, batch.kv_slots), v_cache.index_select(0, batch.kv_slots)
         out.index_copy_(0, batch.rows, meta.kernels.varlen(qv, *kv, batch, scale))
-    if meta.decode is not None:
-        assert meta.kernels.decode is not None
-        dec = meta.decode
+    if dec is not None:
+        assert meta.kernels.decode is not None and dec.rows is not None
         od = meta.kernels.decode(q.index_select(0, dec.rows), k_cache, v_cache, dec, scale,
                                  meta.block_size)
         out.index_copy_(0, dec.rows, od)
     return out.unsqueeze(0), None
 
 
-# -- the CUDA kernels ---------------------------------------------------------------------
+# -- the kernels ----------------------------------------------------------------------------
 def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Varlen,
                  scale: float) -> torch.Tensor:
     """torch's FlashAttention-2 varlen forward (CUDA, bf16/fp16): causal, bottom-right."""
@@ -198,65 +210,53 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Varle
     return out[0]
 
 
-def triton_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        batch: Decode, scale: float, block_size: int,
-                        kernel: Any = None) -> torch.Tensor:
-    """The Triton decode kernel (`kernel`: a jitted `decode_kernel`, the cached one if None)."""
-    kernel = kernel or _jitted_decode()
+def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Varlen,
+                scale: float) -> torch.Tensor:
+    """FlashAttention's varlen semantics by SDPA, chunk by chunk (any dtype: float32 on CUDA,
+    the CPU's tests): per chunk, causal aligned to the bottom right. Reads the chunks' lengths
+    from the host copy, so it never syncs."""
     out = torch.empty_like(q)
-    rows, heads, dim = q.shape
-    kernel[(rows, heads)](
-        out, q, k_cache, v_cache, batch.block_table, batch.seq_lens, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        batch.block_table.stride(0), out.stride(0), out.stride(1),
-        GROUP=heads // k_cache.shape[1], BLOCK_SIZE=block_size, HEAD_DIM=dim,
-        PAD_D=max(16, 1 << (dim - 1).bit_length()), TILE=TILE)
+    cq, ck = batch.lengths
+    for i in range(len(cq) - 1):
+        qs, ks, vs = q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]]
+        nq, nk = len(qs), len(ks)
+        mask = None
+        if nq > 1:
+            mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1),
+                                           vs.transpose(0, 1), attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+        out[cq[i]:cq[i + 1]] = o.transpose(0, 1)
     return out
 
 
-def cuda_kernels() -> Kernels:
-    """FlashAttention varlen, with the Triton decode when Triton is installed."""
-    return Kernels(flash_varlen, triton_paged_decode if triton is not None else None)
+def triton_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  batch: Decode, scale: float, block_size: int) -> torch.Tensor:
+    """The Triton paged decode (triton_attention.py)."""
+    return triton_attention.paged_decode(q, k_cache, v_cache, batch.table, batch.table_rows,
+                                         batch.seq_lens, scale, block_size, batch.splits)
 
 
-@functools.cache
-def _jitted_decode() -> Any:
-    return triton.jit(decode_kernel)
+def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     batch: Decode, scale: float, block_size: int) -> torch.Tensor:
+    """The decode in torch ops of fixed shapes (triton_attention.paged_decode_reference): the
+    CPU's stand-in for the Triton kernel, graph-safe."""
+    return triton_attention.paged_decode_reference(q, k_cache, v_cache, batch.table,
+                                                   batch.table_rows, batch.seq_lens, scale,
+                                                   block_size)
 
 
-@no_type_check
-def decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, scale,
-                  q_tok, q_head, kv_slot, kv_head, table_row, o_tok, o_head,
-                  GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  PAD_D: tl.constexpr, TILE: tl.constexpr):
-    """One program per (decode, query head): the online softmax over the sequence's keys, TILE
-    at a time, each key's slot read from the block table (jitted by Triton when first used)."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_h = head // GROUP
-    d = tl.arange(0, PAD_D)
-    d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + seq * q_tok + head * q_head + d, mask=d_ok, other=0.0).to(tl.float32)
-    n = tl.load(lens_ptr + seq)
-    m = tl.full([1], float("-inf"), tl.float32)
-    total = tl.zeros([1], tl.float32)
-    acc = tl.zeros([PAD_D], tl.float32)
-    offs = tl.arange(0, TILE)
-    for start in range(0, n, TILE):
-        pos = start + offs
-        ok = pos < n
-        block = tl.load(table_ptr + seq * table_row + pos // BLOCK_SIZE, mask=ok, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        at = slot[:, None] * kv_slot + kv_h * kv_head + d[None, :]
-        mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        s = tl.where(ok, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)
-        total = total * alpha + tl.sum(p, axis=0)
-        v = tl.load(v_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m = m_new
-    result = (acc / total).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + seq * o_tok + head * o_head + d, result, mask=d_ok)
+def cuda_kernels(dtype: torch.dtype = torch.bfloat16, decode: bool = True,
+                 kv_write: bool = True, device: torch.device | None = None) -> Kernels:
+    """The CUDA path's kernels for `dtype`: FlashAttention varlen (SDPA chunk by chunk in
+    float32), the Triton decode and KV write where Triton is installed and they are wanted
+    (the platform turns one off when the device check found it broken). On the CPU (the
+    device check's dry run, the tests) the same path runs with the kernels' references."""
+    if device is not None and device.type == "cpu":
+        return Kernels(sdpa_varlen, reference_decode if decode else None,
+                       triton_attention.write_kv_reference)
+    triton_ok = triton_attention.available()
+    return Kernels(flash_varlen if dtype in (torch.bfloat16, torch.float16) else sdpa_varlen,
+                   triton_decode if decode and triton_ok else None,
+                   triton_attention.write_kv if kv_write and triton_ok
+                   else triton_attention.write_kv_reference)

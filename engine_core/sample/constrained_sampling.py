@@ -95,7 +95,7 @@ class ConstrainedSampler:
                      masks: torch.Tensor) -> None:
         """Apply the constrained rows' `masks` (in order) to general-path `logits` (a row per
         request of `reqs`), before anything else touches them."""
-        rows = torch.tensor([i for i, r in enumerate(reqs) if r.grammar is not None],
+        rows = torch.tensor([i for i, r in enumerate(reqs) if r.masked],
                             dtype=torch.int64)
         masked = logits[rows]
         apply_bitmask(masked, masks)
@@ -106,7 +106,7 @@ class ConstrainedSampler:
         """Advance the constrained general-path rows' matchers past `tokens` (drawn from the
         processed, masked `logits`), drawing again where a matcher refuses."""
         for i, req in enumerate(reqs):
-            if req.grammar is not None:
+            if req.masked:
                 tokens[i] = self._advance(logits[i:i + 1], req, int(tokens[i]))
 
     def _offer(self, rows: Sequence[int], tokens: torch.Tensor,

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from engine_core.layers.host_link import HostLink
 from engine_core.layers.lm_head import BLOCK
-from engine_core.sample.sampler import SamplerOutput
+from engine_core.sample.sampler import PendingSample, SamplerOutput
 from engine_core.sample.sampling_batch import Edits, SamplingBatch
 from engine_core.sched.request import Request
 from engine_core.structured.masks import TokenMasker, apply_bitmask
@@ -95,18 +95,28 @@ class DeviceSampler:
                  reqs: Sequence[Request]) -> SamplerOutput:
         """One token per row of `hidden` (the final hidden state of each of `reqs`). `head`,
         the CPU path's LM head, is not used: the logits come from this sampler's weights."""
+        return self.sample_later(head, hidden, reqs).result()
+
+    def sample_later(self, head: object, hidden: torch.Tensor,
+                     reqs: Sequence[Request]) -> PendingSample:
+        """The step's sampling queued on the device, its results copied back behind it: the
+        wait comes with `result()`. A step with constrained rows waits at once (their
+        matchers need the tokens)."""
         batch = SamplingBatch.of(reqs, self.vocab, self.eos_token_ids, self.generator)
         args = _DrawArgs.upload(batch, self.link)
         logits = self.weights.logits(hidden)
         processed = self._process(logits, batch, reqs)
         tokens = self._pick(processed, batch, args)
-        host = self.link.download([tokens, *self._logprobs(logits, tokens, batch, args)])
+        download = self.link.download_later([tokens, *self._logprobs(logits, tokens, batch,
+                                                                     args)])
+        if not batch.constrained:
+            return PendingSample(tokens, lambda: _output(download.wait(), batch))
+        host = download.wait()
         token_ids = host[0]
-        if batch.constrained and self._advance_grammars(processed, batch, reqs, token_ids):
+        if self._advance_grammars(processed, batch, reqs, token_ids):
             tokens = self.link.upload(token_ids)  # a row was drawn again: its logprobs too
             host = [token_ids, *self.link.download(self._logprobs(logits, tokens, batch, args))]
-        logprobs = Logprobs(*host[1:]) if len(batch.logprob_rows) else None
-        return SamplerOutput(token_ids.astype(np.int64), batch.logprob_rows, logprobs)
+        return PendingSample.done(_output(host, batch), tokens)
 
     def profile(self, hidden: torch.Tensor) -> None:
         """The costliest step this sampler can be given for `hidden`'s rows, for the memory
@@ -206,6 +216,11 @@ class DeviceSampler:
         ranks = (raw > chosen).sum(-1).add_(1).to(torch.int32)
         top_vals, top_ids = raw.topk(batch.top_logprobs, -1)
         return [(chosen - lse)[:, 0], ranks, top_ids.to(torch.int32), top_vals - lse]
+
+
+def _output(host: list[np.ndarray], batch: SamplingBatch) -> SamplerOutput:
+    logprobs = Logprobs(*host[1:]) if len(batch.logprob_rows) else None
+    return SamplerOutput(host[0].astype(np.int64), batch.logprob_rows, logprobs)
 
 
 def _truncated_probs(scaled: torch.Tensor, batch: SamplingBatch,

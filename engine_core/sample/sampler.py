@@ -16,12 +16,14 @@ Constrained rows (structured outputs) follow their grammars exactly: greedy = ar
 masked raw logits, a draw from softmax(masked logits / T); constrained_sampling.py
 does their grammar work, after the fast path's draws and before the general path's processing.
 Logprobs stay the raw model's (vLLM's default `logprobs_mode`, raw_logprobs): the masked
-distribution is not reported. A step without a constrained row does no grammar work at all.
+distribution is not reported. A step without a constrained row does no grammar work at all. A
+row counts as constrained once a grammar masks it (`Request.masked`): a request still thinking
+samples as an unconstrained one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -39,6 +41,28 @@ class SamplerOutput(NamedTuple):
     token_ids: np.ndarray  # int64 [S]
     logprob_rows: np.ndarray  # int64 indices of the rows with logprobs
     logprobs: Logprobs | None
+
+
+class PendingSample:
+    """A step's sampling, queued: `tokens` on the device at once (an overlapped step's next
+    inputs read them there), the whole `SamplerOutput` on the host when `result()` is asked
+    (the one wait of the step)."""
+
+    def __init__(self, tokens: torch.Tensor, result: Callable[[], SamplerOutput]) -> None:
+        self.tokens = tokens
+        self._result = result
+        self._output: SamplerOutput | None = None
+
+    @staticmethod
+    def done(output: SamplerOutput, tokens: torch.Tensor | None = None) -> PendingSample:
+        """A sampling already on the host (the CPU's, or one that had to wait)."""
+        device_tokens = torch.from_numpy(output.token_ids) if tokens is None else tokens
+        return PendingSample(device_tokens, lambda: output)
+
+    def result(self) -> SamplerOutput:
+        if self._output is None:
+            self._output = self._result()
+        return self._output
 
 
 def token_logprobs(head: LMHead, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> Logprobs:
@@ -81,7 +105,7 @@ class _Plan(NamedTuple):
         skip = set(general)
         fast_sampled = [i for i, r in enumerate(reqs)
                         if r.params.temperature >= _GREEDY_EPS and i not in skip]
-        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        constrained = [i for i, r in enumerate(reqs) if r.masked]
         return _Plan(general, fast_sampled, [i for i in constrained if i not in skip],
                      [i for i in constrained if i in skip])
 
@@ -91,6 +115,11 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator().manual_seed(seed)
         self._constrained: ConstrainedSampler | None = None  # made at the first constrained row
+
+    def sample_later(self, head: LMHead, hidden: torch.Tensor,
+                     reqs: Sequence[Request]) -> PendingSample:
+        """`self(...)`, as a `PendingSample` (on the CPU nothing is left to wait for)."""
+        return PendingSample.done(self(head, hidden, reqs))
 
     def __call__(self, head: LMHead, hidden: torch.Tensor,
                  reqs: Sequence[Request]) -> SamplerOutput:

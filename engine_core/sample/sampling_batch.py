@@ -60,7 +60,7 @@ class SamplingBatch:
     penalty: Edits  # subtracted: frequency * count + presence, per output token
     logprob_rows: np.ndarray  # int64 rows that asked for logprobs
     top_logprobs: int  # the most top entries a logprob row asked for
-    constrained: list[int]  # rows with a grammar
+    constrained: list[int]  # rows a grammar masks (constrained, done thinking)
 
     @property
     def processed(self) -> bool:
@@ -89,7 +89,7 @@ class SamplingBatch:
             penalty=_penalty(reqs),
             logprob_rows=np.array(lp_rows, dtype=np.int64),
             top_logprobs=max((reqs[i].params.logprobs or 0 for i in lp_rows), default=0),
-            constrained=[i for i, r in enumerate(reqs) if r.grammar is not None],
+            constrained=[i for i, r in enumerate(reqs) if r.masked],
         )
 
 
@@ -109,7 +109,9 @@ def _row(i: int, n: int) -> np.ndarray:
 def _bias(reqs: Sequence[Request], vocab: int) -> Edits:
     rows, ids, vals = [], [], []
     for i, r in enumerate(reqs):
-        bias = {t: v for t, v in (r.params.logit_bias or {}).items() if 0 <= t < vocab}
+        if not r.params.logit_bias:
+            continue
+        bias = {t: v for t, v in r.params.logit_bias.items() if 0 <= t < vocab}
         if bias:
             rows.append(_row(i, len(bias)))
             ids.append(np.fromiter(bias.keys(), np.int64, len(bias)))
@@ -121,7 +123,7 @@ def _banned(reqs: Sequence[Request], vocab: int, eos_token_ids: Sequence[int]) -
     rows, ids = [], []
     for i, r in enumerate(reqs):
         p = r.params
-        if r.num_output_tokens < p.min_tokens:
+        if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
             banned = [t for t in banned if t < vocab]
             rows.append(_row(i, len(banned)))

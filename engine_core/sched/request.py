@@ -9,6 +9,8 @@ import torch
 from engine_core.structured.grammar import RequestGrammar
 from shared.messages import SamplingParams
 
+PLACEHOLDER = -1  # the id of a token not known yet (Request.placeholder_row)
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -34,10 +36,19 @@ class Request:
         self.num_published_blocks = 0  # leading blocks already in the prefix cache
         self.status = Status.WAITING
         self.prompt_logprobs_done = params.prompt_logprobs is None  # (or scored already)
+        # its sampling reads its earlier tokens (penalties): a step's next one waits for them
+        self.reads_history = bool(params.repetition_penalty != 1.0 or params.presence_penalty
+                                  or params.frequency_penalty)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.grammar: RequestGrammar | None = None  # set by the scheduler when constrained
+        # A constrained request that thinks first: its grammar masks nothing until the output
+        # ends with params.reasoning_end (decided here, on token ids, as each token is appended).
+        self.thinking = bool(params.reasoning_end) and params.structured is not None
+        # >= 0 while the newest token is a placeholder (PLACEHOLDER): sampled by a step still
+        # in flight (overlapped steps), at this row of that step's samples
+        self.placeholder_row = -1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -55,9 +66,33 @@ class Request:
     def prefill_only(self) -> bool:
         return self.params.max_tokens == 0
 
+    @property
+    def masked(self) -> bool:
+        """A grammar masks this request's next token: it is constrained and done thinking."""
+        return self.grammar is not None and not self.thinking
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.thinking:
+            self._check_thinking()
+
+    def append_placeholder(self, row: int) -> None:
+        """A token sampled by a step in flight, its value not on the host yet (the thinking
+        gate waits for it: `resolve_placeholder`)."""
+        self.output_token_ids.append(PLACEHOLDER)
+        self.all_token_ids.append(PLACEHOLDER)
+        self.placeholder_row = row
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        self.output_token_ids[-1] = self.all_token_ids[-1] = token_id
+        self.placeholder_row = -1
+        if self.thinking:
+            self._check_thinking()
+
+    def _check_thinking(self) -> None:
+        end = self.params.reasoning_end
+        self.thinking = self.output_token_ids[-len(end):] != end
 
     def reset_for_recompute(self) -> None:
         """After preemption: KV is gone; prompt + outputs are recomputed as one prompt (the

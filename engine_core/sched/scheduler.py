@@ -13,7 +13,9 @@ Constrained requests (structured outputs): `add` starts compiling the request's 
 (engine_core/structured/grammar.py, on a worker thread); the request waits, and others pass it,
 until the grammar is ready. A grammar that fails refuses its request (`take_refused`). The sampler
 advances the request's matcher with each token; a request whose grammar ended stops ("stop")
-whatever its stop tokens say.
+whatever its stop tokens say. A request that thinks first (`SamplingParams.reasoning_end`, sent
+by a frontend with a reasoning parser) is not masked until its output ends with the end of its
+thinking (`Request.masked`); its grammar starts at the token after it.
 """
 
 from __future__ import annotations
@@ -36,33 +38,36 @@ log = logging.getLogger(__name__)
 PROMPT_LOGPROB_ROWS = 256  # default budget of prompt positions scored per step (see Scheduler)
 
 
-@dataclass
 class Scheduled:
-    request: Request
-    start: int  # first position computed this step
-    num_new: int  # tokens computed this step
+    """One request's share of a step. What the step does for it is settled when it is
+    scheduled (the request's tokens may grow before the step's outputs are recorded)."""
 
-    @property
-    def completes_prefill(self) -> bool:
-        return self.start + self.num_new == self.request.num_tokens
+    __slots__ = ("request", "start", "num_new", "completes_prefill", "samples",
+                 "completes_prompt")
 
-    @property
-    def samples(self) -> bool:
-        return self.completes_prefill and not self.request.prefill_only
+    def __init__(self, request: Request, start: int, num_new: int) -> None:
+        self.request = request
+        self.start = start  # first position computed this step
+        self.num_new = num_new  # tokens computed this step
+        end = start + num_new
+        # it computes the request's last known token / samples one / completes the prompt
+        self.completes_prefill = end == len(request.all_token_ids)
+        self.samples = self.completes_prefill and request.params.max_tokens > 0
+        self.completes_prompt = end >= len(request.prompt_token_ids)
 
-    @property
-    def completes_prompt(self) -> bool:
-        return self.start + self.num_new >= self.request.num_prompt_tokens
+    def __repr__(self) -> str:
+        return f"Scheduled({self.request.request_id!r}, {self.start}, {self.num_new})"
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[Scheduled] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_tokens: int = 0  # tokens computed by the step, all scheduled requests together
 
     def samplers(self) -> list[Request]:
         """The requests that sample a token this step, in order (one row each for the
-        sampler). Ask before `update_from_output`, which moves the requests on."""
+        sampler)."""
         return [s.request for s in self.scheduled if s.samples]
 
 
@@ -193,19 +198,27 @@ class Scheduler:
         return max(self.min_num_batched_tokens, min(self.max_num_batched_tokens, backlog // 4))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        running, scheduled, block_size = self.running, out.scheduled, self.blocks.block_size
+        given = budget
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = self._cap_rows(req, min(req.num_tokens - req.num_computed_tokens, budget))
-            if num_new == 0:
-                i += 1
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+            if not req.prompt_logprobs_done:
+                num_new = min(num_new, self._rows_left)
+            if num_new == 0 or (req.placeholder_row >= 0 and self.stop_rules.at_length(req)):
+                i += 1  # nothing to compute, or a token in flight that ends it by length
                 continue
-            if not self._grow_or_preempt(req, num_new, out):
+            # (most decode steps fit in the blocks the request has: nothing to allocate)
+            if req.num_computed_tokens + num_new > len(req.block_ids) * block_size and \
+                    not self._grow_or_preempt(req, num_new, out):
                 break  # req itself was preempted: it was the newest, nothing after it
-            out.scheduled.append(Scheduled(req, req.num_computed_tokens, num_new))
-            self._take_rows(req, num_new)
+            scheduled.append(Scheduled(req, req.num_computed_tokens, num_new))
+            if not req.prompt_logprobs_done:
+                self._rows_left -= num_new
             budget -= num_new
             i += 1
+        out.num_tokens += given - budget
         return budget
 
     def _grow_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
@@ -273,6 +286,7 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             out.scheduled.append(Scheduled(req, num_computed, num_new))
+            out.num_tokens += num_new
             self._take_rows(req, num_new)
             budget -= num_new
 
@@ -296,36 +310,70 @@ class Scheduler:
         """Record what the step computed: `out` as `schedule()` returned it, and one sampled
         token per request of `out.samplers()`, in that order. Returns the requests finished
         by it, by id: those that sampled, in order, then prompt-only ones ("length")."""
-        samplers = out.samplers()
+        self.advance(out)
+        return self.resolve(out, sampled_token_ids)
+
+    # Overlapped steps (--async-scheduling) record a step in two halves: `advance` as soon as
+    # it is queued, with a placeholder for each token it samples (so the next step can be
+    # scheduled while it runs), and `resolve` once its tokens are on the host. A request
+    # finished or aborted in between is left alone by both.
+    def advance(self, out: SchedulerOutput, placeholders: bool = False) -> None:
+        """The step's progress: computed tokens, published prefix blocks; with
+        `placeholders`, a placeholder token (its row in the step's samples) for each sampler."""
+        row = 0
+        finished, block_size, stats = Status.FINISHED, self.blocks.block_size, self.stats
         for s in out.scheduled:
-            self._advance(s)
+            req = s.request
+            if req.status is finished:
+                row += s.samples
+                continue
+            req.num_computed_tokens += s.num_new
+            if req.num_computed_tokens // block_size > req.num_published_blocks:
+                self.publish_computed_blocks(req)  # a block was filled
+            if s.completes_prompt:
+                req.prompt_logprobs_done = True  # scored by the engine on this step, if asked
+            prompt_len = len(req.prompt_token_ids)
+            if s.completes_prefill and not req.output_token_ids:  # once, as vLLM counts
+                stats.request_prompt_tokens += prompt_len
+            if s.start < prompt_len:
+                stats.prompt_tokens += min(s.start + s.num_new, prompt_len) - s.start
+            if placeholders and s.samples:
+                req.append_placeholder(row)
+            row += s.samples
+
+    def resolve(self, out: SchedulerOutput,
+                sampled_token_ids: np.ndarray | Sequence[int]) -> dict[str, Stop]:
+        """The step's sampled tokens (one per `out.samplers()`) appended, or put in their
+        placeholders, and the stop rules applied; see `update_from_output`."""
         finished: dict[str, Stop] = {}
-        for req, token in zip(samplers, sampled_token_ids, strict=True):
-            stop = self._append(req, int(token))
+        tokens = np.asarray(sampled_token_ids).tolist()  # Python ints, once
+        samplers = out.samplers()
+        if len(samplers) != len(tokens):
+            raise ValueError(f"{len(tokens)} sampled tokens for {len(samplers)} sampling requests")
+        appended = 0
+        for req, token in zip(samplers, tokens):
+            if req.status is Status.FINISHED:
+                continue  # finished or aborted while its token was in flight
+            appended += 1
+            stop = self._append(req, token)
             if stop is not None:
                 finished[req.request_id] = stop
+        self.stats.generation_tokens += appended
         for s in out.scheduled:
-            if s.completes_prefill and s.request.prefill_only:
-                finished[s.request.request_id] = Stop(FinishReason.LENGTH)
-                self._finish(s.request, FinishReason.LENGTH)
+            req = s.request
+            if s.completes_prefill and req.prefill_only and req.status is not Status.FINISHED:
+                finished[req.request_id] = Stop(FinishReason.LENGTH)
+                self._finish(req, FinishReason.LENGTH)
         return finished
 
-    def _advance(self, s: Scheduled) -> None:
-        req = s.request
-        req.num_computed_tokens += s.num_new
-        self.publish_computed_blocks(req)
-        if s.completes_prompt:
-            req.prompt_logprobs_done = True  # scored by the engine on this step, if asked
-        if s.completes_prefill and req.num_output_tokens == 0:  # once, as vLLM counts
-            self.stats.request_prompt_tokens += req.num_prompt_tokens
-        prompt_end = min(s.start + s.num_new, req.num_prompt_tokens)
-        self.stats.prompt_tokens += max(0, prompt_end - s.start)
-
     def _append(self, req: Request, token: int) -> Stop | None:
-        req.append_token(token)
-        self.stats.generation_tokens += 1
+        masked = req.masked  # the grammar chose this token (a thinking request's did not)
+        if req.placeholder_row >= 0:
+            req.resolve_placeholder(token)
+        else:
+            req.append_token(token)
         stop = self.stop_rules.check(req, token)
-        if req.grammar is not None:
+        if masked:
             stop = _grammar_stop(req, token, stop)
         if stop is not None:
             self._finish(req, stop.reason)

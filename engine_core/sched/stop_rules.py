@@ -26,11 +26,17 @@ class StopRules:
     def check(self, req: Request, token: int) -> Stop | None:
         """Whether `req` is done now that `token`, already appended, is its newest."""
         p = req.params
-        if req.num_output_tokens > p.min_tokens:  # earlier stop tokens were masked out
+        outputs = len(req.output_token_ids)
+        if outputs > p.min_tokens:  # earlier stop tokens were masked out
             if token in p.stop_token_ids:
                 return Stop(FinishReason.STOP, token)
             if not p.ignore_eos and token in self.eos_token_ids:
                 return Stop(FinishReason.STOP)
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if outputs >= p.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             return Stop(FinishReason.LENGTH)
         return None
+
+    def at_length(self, req: Request) -> bool:
+        """Whether `req` has all the tokens it may have (max_tokens, or the context)."""
+        return (len(req.output_token_ids) >= req.params.max_tokens
+                or len(req.all_token_ids) >= self.max_model_len)

@@ -9,10 +9,12 @@ every architecture, exact parity and no weight-loading code to keep win.
 
 The attention function is the platform's (`Platform.attention`): the portable torch path
 (attention.py) or the CUDA kernels (attention_cuda.py). On the CPU the Llama and Qwen2 layers
-run their elementwise work fused (fused.py) where `Platform.fused_elementwise` says. Step
-inputs reach the device without a host sync (host_link.py). Where the KV cache is sized from
-the device's memory (`Platform.profiles_memory`), one step at the largest budget is run and
-measured first, the sampler's costliest case included (memory_profile.py).
+run their elementwise work fused (fused.py) where `Platform.fused_elementwise` says. A step's
+inputs come from the persistent block table (input_batch.py) and reach the device without a
+host sync (host_link.py); decode-only steps replay CUDA graphs where the platform captures
+them (cuda_graphs.py). Where the KV cache is sized from the device's memory
+(`Platform.profiles_memory`), one step at the largest budget is run and measured first, the
+sampler's costliest case included (memory_profile.py), and the graphs' memory is set aside.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from engine_core.config import EngineConfig
-from engine_core.layers import attention, attention_cuda, native
+from engine_core.layers import attention, attention_cuda, native, triton_attention
 from engine_core.layers.chunk_pool import ChunkPool
 from engine_core.layers.fused import ElementwiseOps, fuse_decoder
 from engine_core.layers.linear import prepare_linears
 from engine_core.layers.lm_head import LMHead
 from engine_core.sample.device_sampler import DeviceSampler, HeadWeights
 from engine_core.sched.scheduler import SchedulerOutput
+from engine_core.worker.cuda_graphs import GraphRunner, reserve_bytes
+from engine_core.worker.input_batch import BlockTables, StepInputs, StepRows
 from engine_core.worker.memory_profile import StepMemory, max_useful_blocks, measure_step
 from engine_core.worker.platform import AttentionBackend, Platform
 
@@ -45,8 +49,19 @@ ATTENTION_NAMES: dict[AttentionBackend, str] = {"portable": "tandem_paged",
 AttentionInterface.register(ATTENTION_NAMES["portable"], attention.paged_attention)
 AttentionInterface.register(ATTENTION_NAMES["cuda"], attention_cuda.cuda_paged_attention)
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-# (starts, num_new, block_table, kv_caches) -> (the step's attention metadata, positions)
-MetadataBuilder = Callable[[np.ndarray, np.ndarray, np.ndarray, KVCaches], tuple[Any, np.ndarray]]
+
+
+class TableView(NamedTuple):
+    """A step's block tables: `host` [R, W] int32 and its copy on the device; sequence i's
+    blocks are row `rows[i]`."""
+
+    host: np.ndarray
+    device: torch.Tensor
+    rows: np.ndarray
+
+
+# (starts, num_new, tables, kv_caches) -> (the step's attention metadata, positions)
+MetadataBuilder = Callable[[np.ndarray, np.ndarray, TableView, KVCaches], tuple[Any, np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -101,21 +116,32 @@ class ModelRunner:
                                         getattr(text, "final_logit_softcapping", None))
         self.facts = _model_facts(config, text)
         self.block_size = config.block_size
+        self.kernels = (attention_cuda.cuda_kernels(self.dtype, platform.triton_decode,
+                                                    platform.triton_kv_write, self.device)
+                        if platform.attention == "cuda" else None)
         self._metadata = self._metadata_builder(platform.attention, platform.head_kernels)
         self.kv_shape = _kv_shape(text)
-        self.kv_caches = self._allocate_kv(self._num_blocks(config, platform))
+        graph_sizes = platform.cuda_graph_sizes if platform.attention == "cuda" else ()
+        self.num_blocks = self._num_blocks(config, platform, graph_sizes)
+        # graphs' padded rows write their K/V into one more block, never handed out
+        self.kv_caches = self._allocate_kv(self.num_blocks + (1 if graph_sizes else 0))
+        self.tables = BlockTables(platform.max_num_seqs,
+                                  -(-self.facts.max_model_len // self.block_size),
+                                  self.block_size, self.device, self.link,
+                                  dummy_block=self.num_blocks)
+        self.graphs = self._capture(graph_sizes) if graph_sizes else None
         log.info("model %s on %s/%s, %d KV blocks of %d tokens, %s attention, LM head on %s "
-                 "ops, decoder linears %s", config.model, self.device, self.dtype,
-                 self.num_blocks, self.block_size, platform.attention, self.head.backend,
-                 linears)
+                 "ops, decoder linears %s; decode steps %s", config.model, self.device,
+                 self.dtype, self.num_blocks, self.block_size, platform.attention,
+                 self.head.backend, linears,
+                 f"in CUDA graphs of {len(self.graphs.graphs)} sizes up to "
+                 f"{self.graphs.max_size}" if self.graphs and self.graphs.graphs else "eager")
 
-    @property
-    def num_blocks(self) -> int:
-        return self.kv_caches[0][0].shape[0] // self.block_size
-
-    def _num_blocks(self, config: EngineConfig, platform: Platform) -> int:
-        """--num-kv-blocks; else the budget's blocks, and where the budget is profiled, no more
-        than max_num_seqs sequences of max_model_len tokens can fill."""
+    def _num_blocks(self, config: EngineConfig, platform: Platform,
+                    graph_sizes: tuple[int, ...]) -> int:
+        """--num-kv-blocks; else the budget's blocks, and where the budget is profiled (the
+        graphs' memory set aside), no more than max_num_seqs sequences of max_model_len
+        tokens can fill."""
         if config.num_kv_blocks:
             return config.num_kv_blocks
         per_block = self.kv_shape.block_bytes(self.block_size, self.dtype)
@@ -123,13 +149,43 @@ class ModelRunner:
             return max(1, platform.kv_cache_budget() // per_block)
         measured = self.profile_step(platform.max_num_batched_tokens, platform.max_num_seqs)
         torch.cuda.empty_cache()  # the stand-in cache's memory back (a no-op without CUDA)
-        budget = platform.kv_cache_budget(measured)
+        graphs = reserve_bytes(graph_sizes, measured.peak, platform.max_num_batched_tokens)
+        budget = platform.kv_cache_budget(measured) - graphs
         useful = max_useful_blocks(platform.max_num_seqs, self.facts.max_model_len,
                                    self.block_size)
         log.info("memory profile: weights %.2f GiB, step peak %.2f GiB, outside torch %.2f "
-                 "GiB; KV cache %.2f GiB", measured.weights / 2**30, measured.peak / 2**30,
-                 measured.outside_torch / 2**30, min(budget, useful * per_block) / 2**30)
+                 "GiB, CUDA graphs %.2f GiB; KV cache %.2f GiB", measured.weights / 2**30,
+                 measured.peak / 2**30, measured.outside_torch / 2**30, graphs / 2**30,
+                 min(budget, useful * per_block) / 2**30)
         return max(1, min(budget // per_block, useful))
+
+    def _capture(self, sizes: tuple[int, ...]) -> GraphRunner:
+        """The decode graphs (cuda_graphs.py), captured now; on the CPU their eager stand-in."""
+        cuda = self.device.type == "cuda"
+        graphs = GraphRunner(sizes, self._graph_forward, self.device, pinned=cuda,
+                             dummy_slot=self.num_blocks * self.block_size,
+                             dummy_row=self.tables.dummy_row, stand_in=not cuda)
+        before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
+        with torch.inference_mode():
+            graphs.capture()
+        if cuda:
+            log.info("CUDA graphs of %d sizes took %.2f GiB", len(graphs.graphs),
+                     (before - torch.cuda.mem_get_info(self.device)[0]) / 2**30)
+        return graphs
+
+    def _graph_forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       table_rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """A decode-only step's forward on the graphs' buffers: nothing decided on the host
+        but the sizes (a graph captures it)."""
+        assert self.kernels is not None
+        splits = triton_attention.splits_for(len(ids), self.kv_shape.kv_heads, None)
+        decode = attention_cuda.Decode(None, self.tables.device, table_rows, seq_lens, splits)
+        meta = attention_cuda.CudaAttentionMetadata(slots, self.block_size, None, decode,
+                                                    self.kv_caches, self.kernels)
+        out = self.decoder(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                           tandem_meta=meta)
+        hidden: torch.Tensor = out.last_hidden_state[0]
+        return hidden
 
     def _allocate_kv(self, num_blocks: int) -> KVCaches:
         shape = (num_blocks * self.block_size, self.kv_shape.kv_heads, self.kv_shape.head_dim)
@@ -139,38 +195,67 @@ class ModelRunner:
 
     def _metadata_builder(self, backend: AttentionBackend,
                           cpu_kernels: native.Kernels | None) -> MetadataBuilder:
-        block_size, link = self.block_size, self.link
+        block_size, link, kernels = self.block_size, self.link, self.kernels
         if backend == "cuda":
-            kernels = attention_cuda.cuda_kernels()
-            return lambda starts, num_new, table, caches: attention_cuda.build_metadata(
-                starts, num_new, table, block_size, caches, link, kernels)
+            assert kernels is not None
+            return lambda starts, num_new, t, caches: attention_cuda.build_metadata(
+                starts, num_new, t.host, t.rows, t.device, block_size, caches, link, kernels)
         decodes = cpu_kernels if backend == "native" else None
-        return lambda starts, num_new, table, caches: attention.build_metadata(
-            starts, num_new, table, block_size, caches, link.device, decodes)
+
+        def portable(starts: np.ndarray, num_new: np.ndarray, t: TableView,
+                     caches: KVCaches) -> tuple[Any, np.ndarray]:
+            width = max(1, -(-int((starts + num_new).max()) // block_size))
+            return attention.build_metadata(starts, num_new, t.host[t.rows, :width], block_size,
+                                            caches, link.device, decodes)
+
+        return portable
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, keep_rows: np.ndarray) -> torch.Tensor:
+    def execute(self, sched: SchedulerOutput, keep_rows: np.ndarray,
+                previous: torch.Tensor | None = None) -> tuple[torch.Tensor, StepRows]:
         """Run every scheduled token in one forward; return the final hidden states at
-        `keep_rows` (the LM head runs later, in `self.head`, on just the rows that need it)."""
-        items = sched.scheduled
-        starts = np.fromiter((s.start for s in items), dtype=np.int64, count=len(items))
-        num_new = np.fromiter((s.num_new for s in items), dtype=np.int64, count=len(items))
-        width = max(len(s.request.block_ids) for s in items)
-        table = np.zeros((len(items), width), dtype=np.int64)
-        token_ids: list[int] = []
-        for i, s in enumerate(items):
-            table[i, :len(s.request.block_ids)] = s.request.block_ids
-            token_ids.extend(s.request.all_token_ids[s.start:s.start + s.num_new])
-        return self.forward(starts, num_new, table, np.asarray(token_ids, dtype=np.int64),
-                            keep_rows, self.kv_caches)
+        `keep_rows` (the LM head runs later, in `self.head`, on just the rows that need it),
+        and where the step's requests are in the block table (for `note_sampled`).
+        `previous`: the previous step's sampled tokens, on the device, where an overlapped
+        step left placeholders for them (moved there if a host sampler made them)."""
+        inputs = self.tables.inputs(sched.scheduled)
+        if previous is not None and previous.device != self.device:
+            previous = previous.to(self.device, non_blocking=True)
+        size = self.graphs.size_for(inputs) if self.graphs is not None else None
+        if size is not None:
+            assert self.graphs is not None
+            hidden = self.graphs.run(size, inputs, self._decode_slots(inputs), previous)
+            return _rows(hidden, keep_rows, self.link), inputs.rows
+        tables = TableView(self.tables.host, self.tables.device, inputs.rows.rows)
+        return self.forward(inputs, tables, keep_rows, self.kv_caches, previous), inputs.rows
 
-    def forward(self, starts: np.ndarray, num_new: np.ndarray, table: np.ndarray,
-                token_ids: np.ndarray, keep_rows: np.ndarray, kv_caches: KVCaches
-                ) -> torch.Tensor:
-        """One packed forward (see `execute`), its inputs uploaded in one copy."""
-        meta, positions = self._metadata(starts, num_new, table, kv_caches)
-        input_ids, position_ids, keep = self.link.upload_many([token_ids, positions, keep_rows],
-                                                               np.int64)
+    def _decode_slots(self, inputs: StepInputs) -> np.ndarray:
+        starts, bs = inputs.starts, self.block_size
+        return self.tables.host[inputs.rows.rows, starts // bs] * bs + starts % bs
+
+    def note_sampled(self, rows: StepRows, tokens: np.ndarray) -> None:
+        """A step's sampled tokens, on the host now: the next decodes' inputs."""
+        self.tables.note_sampled(rows, tokens)
+
+    def note_placeholders(self, rows: StepRows) -> None:
+        """A step's sampled tokens are still on the device (an overlapped step)."""
+        self.tables.note_placeholders(rows)
+
+    def release(self, preempted: list[Any]) -> None:
+        """Preempted requests' block-table rows are free."""
+        if preempted:
+            self.tables.release(preempted)
+
+    def forward(self, inputs: StepInputs, tables: TableView, keep_rows: np.ndarray,
+                kv_caches: KVCaches, previous: torch.Tensor | None = None) -> torch.Tensor:
+        """One packed forward, eagerly (see `execute`), its inputs uploaded in one copy."""
+        meta, positions = self._metadata(inputs.starts, inputs.num_new, tables, kv_caches)
+        input_ids, position_ids, keep, dst, src = self.link.upload_many(
+            [np.maximum(inputs.token_ids, 0), positions, keep_rows, inputs.pending_rows,
+             inputs.pending_src], np.int64)
+        if len(inputs.pending_rows):
+            assert previous is not None, "a placeholder with no step before it"
+            input_ids.index_copy_(0, dst, previous.index_select(0, src))
         out = self.decoder(input_ids=input_ids[None], position_ids=position_ids[None],
                            use_cache=False, tandem_meta=meta)
         return out.last_hidden_state[0, keep]
@@ -188,14 +273,25 @@ class ModelRunner:
         caches = self._allocate_kv(seqs * width)
         scratch = sum(k.nbytes + v.nbytes for k, v in caches)
         sampler = DeviceSampler([], 0, self.head_weights, self.link)
+        host = table.astype(np.int32)
+        tables = TableView(host, self.link.upload(host), np.arange(seqs))
+        none = np.zeros(0, dtype=np.int64)
+        empty = StepRows(none, none, none, none, none)
+        inputs = StepInputs(np.zeros(seqs, dtype=np.int64), num_new,
+                            np.zeros(num_tokens, dtype=np.int64), none, none, empty)
 
         def step() -> None:
-            hidden = self.forward(np.zeros(seqs, dtype=np.int64), num_new, table,
-                                  np.zeros(num_tokens, dtype=np.int64), np.cumsum(num_new) - 1,
-                                  caches)
+            hidden = self.forward(inputs, tables, np.cumsum(num_new) - 1, caches)
             sampler.profile(hidden)
 
         return measure_step(self.device, step, scratch)
+
+
+def _rows(hidden: torch.Tensor, keep: np.ndarray, link: Any) -> torch.Tensor:
+    """`hidden` at rows `keep` (all of them, in order, needs no gather)."""
+    if len(keep) == len(hidden) and bool((keep == np.arange(len(keep))).all()):
+        return hidden
+    return hidden.index_select(0, link.upload(keep))
 
 
 def _placement(device: torch.device) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from engine_core.layers import native
 from engine_core.layers.host_link import HostLink
 from engine_core.layers.linear import transposed_is_faster
 from engine_core.layers.lm_head import HeadBackend
+from engine_core.worker.cuda_graphs import capture_sizes
 from engine_core.worker.default_model import cache_root
 from engine_core.worker.memory_profile import StepMemory, kv_budget
 from shared.machine import available_cpus
@@ -62,6 +63,12 @@ class Platform:
     fused_elementwise: bool
     device_sampling: bool  # sampling on the device (device_sampler.py), else on the head's scan
     attention: AttentionBackend  # the paged attention the model runs with
+    # batch sizes of the decode steps' CUDA graphs (cuda_graphs.py); empty: every step eager
+    cuda_graph_sizes: tuple[int, ...] = ()
+    # step N+1 scheduled and prepared while step N runs (engine.py): --async-scheduling
+    async_scheduling: bool = False
+    triton_decode: bool = True  # the CUDA path's decodes on the Triton kernel (TANDEM_...)
+    triton_kv_write: bool = True  # ... and its KV-cache write
     # The LM head's compiled CPU kernels, loaded once; None: torch ops do the head.
     head_kernels: native.Kernels | None = field(default=None, compare=False, repr=False)
 
@@ -77,7 +84,9 @@ class Platform:
         TANDEM_LINEAR=transposed|torch fixes the decoder's linear layout instead of measuring
         it, TANDEM_PANELS=1|0 whether its decode steps run the compiled kernel (linear.py);
         TANDEM_SAMPLER=device|cpu and TANDEM_ATTENTION=cuda|native|portable fix the sampler and
-        the attention instead of the device's own (to compare them, or to fall back)."""
+        the attention instead of the device's own (to compare them, or to fall back);
+        TANDEM_TRITON_DECODE=0 and TANDEM_TRITON_KV_WRITE=0 put the CUDA path's decodes into
+        the varlen call and its KV write on torch ops (the device check's fallbacks)."""
         env = os.environ if environ is None else environ
         device = resolve_device(config.device)
         choices = thread_choices(config, device)
@@ -105,6 +114,12 @@ class Platform:
             device_sampling=_choice(env, "TANDEM_SAMPLER", ("device", "cpu"),
                                     "device" if device.type == "cuda" else "cpu") == "device",
             attention=attention_backend(device, dtype, env, kernels is not None),
+            cuda_graph_sizes=graph_sizes(config, device,
+                                         config.max_num_seqs or default_max_num_seqs(device,
+                                                                                     large)),
+            async_scheduling=bool(config.async_scheduling),
+            triton_decode=env.get("TANDEM_TRITON_DECODE", "1") != "0",
+            triton_kv_write=env.get("TANDEM_TRITON_KV_WRITE", "1") != "0",
             head_kernels=kernels,
         )
 
@@ -138,10 +153,11 @@ class Platform:
     def host_link(self) -> HostLink:
         """Copies between the host and the device: pinned and asynchronous on CUDA, with one
         wait on the current stream to bring results back; plain copies on the CPU."""
+        aligned = self.attention == "cuda"  # the Triton kernels read the uploads
         if self.device.type != "cuda":
-            return HostLink(self.device, pinned=False, synchronize=lambda: None)
+            return HostLink(self.device, pinned=False, synchronize=lambda: None, align=aligned)
         device = self.device
-        return HostLink(device, pinned=True,
+        return HostLink(device, pinned=True, align=aligned,
                         synchronize=lambda: torch.cuda.current_stream(device).synchronize())
 
 
@@ -268,20 +284,28 @@ def _head_kernels(device: torch.device, env: Mapping[str, str]) -> native.Kernel
     return native.load(compiler, cache_root(env))
 
 
+def graph_sizes(config: EngineConfig, device: torch.device,
+                max_num_seqs: int) -> tuple[int, ...]:
+    """The decode graphs' ladder on CUDA (cuda_graphs.capture_sizes; --cuda-graph-sizes sets
+    it), none with --enforce-eager or off CUDA."""
+    if device.type != "cuda" or config.enforce_eager:
+        return ()
+    return capture_sizes(max_num_seqs, config.cuda_graph_sizes)
+
+
 def attention_backend(device: torch.device, dtype: torch.dtype, env: Mapping[str, str],
                       kernels: bool = False) -> AttentionBackend:
-    """The CUDA kernels (attention_cuda.py) on a GPU in bf16 or fp16, FlashAttention's dtypes;
-    on the CPU in float32 with the compiled kernels built (`kernels`), the portable path with
-    its decode rows read from the paged cache in place by the C kernel ("native"); the
-    portable torch path elsewhere (float32 on a GPU included). TANDEM_ATTENTION=cuda|native|
-    portable fixes it."""
-    flash = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    """The CUDA kernels (attention_cuda.py) on a GPU (FlashAttention in bf16 and fp16, SDPA
+    per chunk in float32; the Triton decode and KV write in all three); on the CPU in float32
+    with the compiled kernels built (`kernels`), the portable path with its decode rows read
+    from the paged cache in place by the C kernel ("native"); the portable torch path
+    elsewhere. TANDEM_ATTENTION=cuda|native|portable fixes it."""
+    cuda = device.type == "cuda"
     compiled = device.type == "cpu" and dtype == torch.float32 and kernels
     choice = _choice(env, "TANDEM_ATTENTION", ("cuda", "native", "portable"),
-                     "cuda" if flash else "native" if compiled else "portable")
-    if choice == "cuda" and not flash:
-        raise RuntimeError("TANDEM_ATTENTION=cuda needs a CUDA device and --dtype bfloat16 or "
-                           "float16 (FlashAttention's)")
+                     "cuda" if cuda else "native" if compiled else "portable")
+    if choice == "cuda" and not cuda:
+        raise RuntimeError("TANDEM_ATTENTION=cuda needs a CUDA device")
     if choice == "native" and not compiled:
         raise RuntimeError("TANDEM_ATTENTION=native needs the CPU, float32 and the compiled "
                            "CPU kernels (a C compiler, TANDEM_NATIVE not 0)")

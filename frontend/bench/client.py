@@ -99,6 +99,7 @@ class StreamState:
 
     def __init__(self) -> None:
         self.text_times: list[float] = []
+        self.text_chars = 0
         self.usage: dict[str, Any] = {}
         self.done = False
         self.error = ""
@@ -111,8 +112,9 @@ class StreamState:
         if "error" in chunk:
             self.error = "error event in the stream: " + error_message(data)
             return
-        if chunk_text(chunk):
+        if text := chunk_text(chunk):
             self.text_times.append(elapsed)
+            self.text_chars += len(text)
         if chunk.get("usage"):
             self.usage = chunk["usage"]
 
@@ -130,6 +132,7 @@ class StreamState:
             prompt_tokens=self.usage.get("prompt_tokens"),
             completion_tokens=self.usage.get("completion_tokens"),
             error=error,
+            text_chars=self.text_chars,
         )
 
 

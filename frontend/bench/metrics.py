@@ -56,6 +56,7 @@ class RequestResult:
     completion_tokens: int | None = None  # the server's usage.completion_tokens
     error: str = ""
     start: float = 0.0  # when it was sent, seconds from the start of its round
+    text_chars: int = 0  # characters of text the stream carried (echoed prompt included)
 
 
 @dataclass(frozen=True)

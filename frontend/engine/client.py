@@ -28,7 +28,7 @@ from frontend.engine.stream import OutputStream, StepItem
 from shared import messages as wire
 from shared.curve import ClientKeys, secure_client
 from shared.messages import FinishReason
-from shared.step_outputs import unpack_step
+from shared.step_outputs import TokenLogprob, prompt_rows, token_logprobs
 from shared.transport import (
     DEFAULT_STALL_FLOOR_S,
     InputCodec,
@@ -231,37 +231,73 @@ class EngineClient:
             return None
 
     async def _recv_loop(self) -> None:
+        """Route every frame; frames already waiting are routed before anything else runs, so
+        a consumer that fell behind finds several steps at once (and merges them)."""
+        nowait: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
         while True:
-            msg = self._decode(await self._sock.recv())
-            self._heard()
-            try:
-                if isinstance(msg, wire.StepOutputs):
-                    self._route(msg)
-                elif isinstance(msg, wire.UtilityResult):
-                    self._resolve_call(msg)
-            except Exception:  # one bad message must not stop the routing of all others
-                logger.exception("failed to route an engine message")
+            self._handle(await self._sock.recv())
+            while cast(int, nowait.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                try:
+                    frame = nowait.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._handle(frame)
+
+    def _handle(self, frame: bytes) -> None:
+        msg = self._decode(frame)
+        self._heard()
+        try:
+            if isinstance(msg, wire.StepOutputs):
+                self._route(msg)
+            elif isinstance(msg, wire.UtilityResult):
+                self._resolve_call(msg)
+        except Exception:  # one bad message must not stop the routing of all others
+            logger.exception("failed to route an engine message")
 
     def _route(self, out: wire.StepOutputs) -> None:
-        for row in unpack_step(out):
-            rid, fin = row.request_id, row.finish
-            entry = self._requests.get(rid)
+        """One StepItem per row that brings anything, straight from the columns."""
+        requests = self._requests
+        tokens = wire.read_ints(out.token_ids)
+        if not (out.lp_k or out.prompt_logprobs or out.finished):  # the common step
+            timings, item = self.latency.step_timer(), tuple.__new__  # skips StepItem's __new__
+            for rid, token in zip(out.req_ids, tokens):
+                entry = requests.get(rid)
+                if entry is not None and token >= 0:
+                    timings(rid)
+                    entry[0].put(rid, item(StepItem, (entry[1], token, None, None, None, None,
+                                                      None)))
+            return
+        logprobs = token_logprobs(out)
+        prompts = {p.index: p for p in out.prompt_logprobs}
+        finished = {f.index: f for f in out.finished}
+        for i, rid in enumerate(out.req_ids):  # shared.step_outputs.unpack_step, inlined
+            fin, plp, token = finished.get(i), prompts.get(i), tokens[i]
+            if token < 0 and fin is None and plp is None:
+                continue
+            entry = requests.get(rid)
             if entry is None:
                 continue
-            stream, choice = entry
-            self.latency.on_output(rid, row.token_id is not None, fin.reason if fin else None)
-            if fin is not None and fin.reason is FinishReason.OVERLOADED:
-                del self._requests[rid]
-                stream.close(rid)
-                self.abort(stream.unfinished)  # its sibling choices cannot be answered either
-                stream.fail(EngineOverloadedError(fin.message or "the server is overloaded"))
-                continue
-            if fin is not None:
-                del self._requests[rid]
-            stream.put(rid, StepItem(choice, row.token_id, row.logprob, row.prompt_logprobs,
-                                     fin.reason if fin else None,
-                                     fin.stop_token_id if fin else None,
-                                     fin.message if fin else None))
+            logprob = logprobs[i] if logprobs is not None and token >= 0 else None
+            self._route_row(rid, entry, token if token >= 0 else None, logprob,
+                            None if plp is None else prompt_rows(plp), fin)
+
+    def _route_row(self, rid: str, entry: tuple[OutputStream, int], token: int | None,
+                   logprob: TokenLogprob | None, prompt_logprobs: list[TokenLogprob] | None,
+                   fin: wire.Finished | None) -> None:
+        stream, choice = entry
+        self.latency.on_output(rid, token is not None, fin.reason if fin else None)
+        if fin is not None and fin.reason is FinishReason.OVERLOADED:
+            del self._requests[rid]
+            stream.close(rid)
+            self.abort(stream.unfinished)  # its sibling choices cannot be answered either
+            stream.fail(EngineOverloadedError(fin.message or "the server is overloaded"))
+            return
+        if fin is not None:
+            del self._requests[rid]
+        stream.put(rid, StepItem(choice, token, logprob, prompt_logprobs,
+                                 fin.reason if fin else None,
+                                 fin.stop_token_id if fin else None,
+                                 fin.message if fin else None))
 
     def _resolve_call(self, result: wire.UtilityResult) -> None:
         if result.progress is not None:

@@ -105,6 +105,25 @@ class LatencyRecorder:
         if finish_reason is not None:
             self.on_finish(request_id, finish_reason)
 
+    def step_timer(self) -> Callable[[str], None]:
+        """`on_output(request_id, True, None)` for the rows of one engine message, which share
+        one clock reading: a step's rows arrive together."""
+        now = self._clock()
+        timings, ttft, itl = self._open, self._buffers[TTFT], self._buffers[ITL]
+        self._schedule(soon=False)
+
+        def token(request_id: str) -> None:
+            timing = timings.get(request_id)
+            if timing is None:
+                return
+            if timing.last_token is None:
+                ttft.observe(now - timing.start)
+            else:
+                itl.observe(now - timing.last_token)
+            timing.last_token = now
+
+        return token
+
     def on_finish(self, request_id: str, reason: str) -> None:
         timing = self._open.pop(request_id, None)
         if timing is not None and reason in FINISHED:

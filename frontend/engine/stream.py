@@ -3,12 +3,21 @@
 The EngineClient's routing task `put`s what each engine step brought each request; the request's
 handler awaits `get()`. One stream holds every engine request of one HTTP request (its n
 choices), told apart by the caller's choice index.
+
+This is the frontend's hottest path (every token of every stream passes here), so a stream is
+a plain list and at most one future: `put` wakes a waiting consumer once, whatever arrives
+before it runs is handed over together, and a consumer that is behind catches up in one
+wake-up (docs/architecture.md, "Output merging").
+
+A consumer may also `listen`: while it is not waiting in `get()`, news makes the stream call
+its listener once, soon (in the event loop's next round, after the routing task has routed
+every frame already received), and the listener `take()`s what arrived without a task switch.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 from shared.messages import FinishReason
@@ -35,43 +44,85 @@ class OutputStream:
     stream has finished or been aborted, and raises EngineDeadError if the engine died.
     """
 
+    # (__weakref__: EngineGroup maps a stream to its engine in a WeakKeyDictionary)
+    __slots__ = ("_items", "_open", "_waiter", "_error", "_listener", "_called", "__weakref__")
+
     def __init__(self) -> None:
-        self._items: deque[StepItem] = deque()
+        self._items: list[StepItem] = []
         self._open: set[str] = set()
-        self._event = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None  # the consumer, while it waits
         self._error: Exception | None = None
+        self._listener: Callable[[], None] | None = None
+        self._called = False  # the listener's call is scheduled
 
     @property
     def unfinished(self) -> list[str]:
         """Request ids that have neither finished nor been aborted."""
         return list(self._open)
 
+    @property
+    def pending(self) -> bool:
+        """True while items wait for the consumer."""
+        return bool(self._items)
+
+    @property
+    def ended(self) -> bool:
+        """Nothing pending and nothing more to come: every request finished, or the engine died
+        (`take()` then raises)."""
+        return not self._items and not self._open
+
+    def listen(self, listener: Callable[[], None]) -> None:
+        """Call `listener` soon after news arrives (items, an end, a failure) while no consumer
+        waits in `get()`: once per event-loop round, however much arrived."""
+        self._listener = listener
+
     def open(self, request_id: str) -> None:
         self._open.add(request_id)
 
     def close(self, request_id: str) -> None:
         self._open.discard(request_id)
-        self._event.set()
+        self._wake()
 
     def put(self, request_id: str, item: StepItem) -> None:
         self._items.append(item)
         if item.finish_reason is not None:
             self._open.discard(request_id)
-        self._event.set()
+        self._wake()
 
     def fail(self, exc: Exception) -> None:
         self._error = exc
         self._open.clear()
-        self._event.set()
+        self._wake()
 
     async def get(self) -> list[StepItem]:
         while not self._items and self._open and self._error is None:
-            self._event.clear()
-            await self._event.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.take()
+
+    def take(self) -> list[StepItem]:
+        """Every pending item now, without waiting ([] if none); raises EngineDeadError if the
+        engine died and nothing is pending."""
         if self._items:
-            items = list(self._items)
-            self._items.clear()
+            items, self._items = self._items, []
             return items
         if self._error is not None:
             raise self._error
         return []
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            if not waiter.done():
+                waiter.set_result(None)
+        elif self._listener is not None and not self._called:
+            self._called = True
+            asyncio.get_running_loop().call_soon(self._call)
+
+    def _call(self) -> None:
+        self._called = False
+        if self._listener is not None and self._waiter is None:
+            self._listener()

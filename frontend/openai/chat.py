@@ -6,7 +6,10 @@ planner and engine loop as completions (validation, ChoiceProcessor, abort handl
 module only shapes the answer: messages, role/content deltas, and OpenAI's chat logprobs, built
 from the generated tokens each delta releases, so that every token carries its real bytes. The
 token that ended a choice (EOS or a stop_token_ids token) is not message content and gets no
-logprobs entry unless include_stop_str_in_output put its text in the message.
+logprobs entry unless include_stop_str_in_output put its text in the message. Rendering and
+planning are `chat_plan.plan_chat`, which the Responses API shares. With a reasoning parser each
+choice's text is split first (`reasoning.py`): `reasoning` / `delta.reasoning` get the thinking,
+and everything else here (content, tool calls) reads only the answer.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import msgspec
 from aiohttp import web
 
 from frontend.engine.group import EngineGroup
-from frontend.openai.plan import ApiFields, RequestPlan, plan_request
+from frontend.openai.chat_plan import plan_chat
+from frontend.openai.plan import RequestPlan
 from frontend.openai.protocol import Usage, decode_request
 from frontend.openai.protocol_chat import (
     ChatChoice,
@@ -29,12 +33,12 @@ from frontend.openai.protocol_chat import (
     TokenLogprobEntry,
     TopLogprob,
     check_chat_request,
-    max_completion_tokens,
     top_logprobs,
 )
+from frontend.openai.reasoning import ReasoningConfig
 from frontend.openai.served_model import ServedModel
 from frontend.openai.serving import collect_choices, json_response, prepare, stream_choices
-from frontend.openai.tool_calls import ChoiceTools, ToolPlan, read_tool_plan, template_messages
+from frontend.openai.tool_calls import ChoiceTools, ToolPlan, read_tool_plan
 from frontend.text.logprob_text import TokenTextCache
 from frontend.text.output_processor import ChoiceDelta, GeneratedToken, merge_deltas
 
@@ -50,11 +54,13 @@ class ServingChat:
         served: ServedModel,
         auto_tool_parser: str | None = None,
         response_role: str = "assistant",
+        reasoning: ReasoningConfig | None = None,
     ) -> None:
         self.client = client
         self.served = served
         self.auto_tool_parser = auto_tool_parser  # None: tool_choice "auto" is refused
         self.response_role = response_role  # the role chat answers carry
+        self.reasoning = reasoning  # --reasoning-parser: answers split into reasoning, content
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         req, tools, plan = await prepare(await request.read(), self.read)
@@ -71,19 +77,7 @@ class ServingChat:
 
     def plan(self, req: ChatCompletionRequest, tools: ToolPlan = NO_TOOLS) -> RequestPlan:
         """Check, render and plan every choice; raises a 4xx OpenAIError."""
-        check_chat_request(req)
-        messages = template_messages(req.messages)
-        text = self.served.render_chat(messages, req.add_generation_prompt, req.tools)
-        if tools.mode == "auto":  # call markers may be special tokens (as in vLLM's parsers)
-            req = msgspec.structs.replace(req, skip_special_tokens=False)
-        fields = ApiFields(
-            prompt=self.served.chat_prompt_ids(text),
-            max_tokens=max_completion_tokens(req),
-            logprobs=top_logprobs(req),
-            logprob_entries=False,  # chat shapes its own, from the released tokens
-            constraint=tools.constraint,
-        )
-        return plan_request(req, fields, self.served, "chatcmpl")
+        return plan_chat(req, tools, self.served, self.reasoning)
 
     async def _complete(
         self, req: ChatCompletionRequest, plan: RequestPlan, tools: ToolPlan
@@ -92,10 +86,15 @@ class ServingChat:
         choices = []
         for index, deltas in enumerate(await collect_choices(self.client, plan)):
             d = merge_deltas(deltas)
+            thinking = plan.reasoning.choice() if plan.reasoning else None
+            if thinking is not None:  # the rest reads the content alone
+                _, d = thinking.split(d, final=True)
             message, finish = ResponseMessage(d.text), d.finish_reason
             if tools.active:
                 message, finish = tool_message(tools, d)
             message.role = self.response_role
+            if thinking is not None:
+                message = thinking.message(message)
             choices.append(ChatChoice(index, message, logprobs.of(d), finish, d.stop_reason))
         return json_response(
             ChatCompletionResponse(plan.id, plan.created, plan.model, choices, plan.usage())
@@ -112,6 +111,7 @@ class ServingChat:
         with_usage = options is not None and options.continuous_usage_stats
         logprobs = ChatLogprobsBuilder(self.served.token_text, top_logprobs(req))
         readers = [ChoiceTools(tools) for _ in plan.choices] if tools.active else None
+        thinking = [plan.reasoning.choice() for _ in plan.choices] if plan.reasoning else None
         greeted = [False] * len(plan.choices)
 
         def chunk(index: int, choice: ChatStreamChoice) -> ChatCompletionChunk:
@@ -119,6 +119,13 @@ class ServingChat:
             return ChatCompletionChunk(plan.id, plan.created, plan.model, [choice], usage)
 
         def messages_of(index: int, delta: ChoiceDelta) -> tuple[list[DeltaMessage], str | None]:
+            if thinking is not None:  # the reasoning first; the rest reads the content alone
+                reasoning, delta = thinking[index].split(delta)
+                messages, finish = content_of(index, delta)
+                return thinking[index].deltas(reasoning, messages), finish
+            return content_of(index, delta)
+
+        def content_of(index: int, delta: ChoiceDelta) -> tuple[list[DeltaMessage], str | None]:
             if readers is None:
                 content = [] if delta.is_empty else [DeltaMessage(content=delta.text)]
                 return content, delta.finish_reason

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 from aiohttp import web
 
 from frontend.engine.group import EngineGroup
@@ -59,14 +60,13 @@ class ServingCompletions:
     ) -> web.StreamResponse:
         options = req.stream_options
         with_usage = options is not None and options.continuous_usage_stats
-        with_logprobs = req.logprobs is not None
+        template = ChunkTemplate(plan.id, plan.created, plan.model, req.logprobs is not None)
 
-        def chunks_of(index: int, delta: ChoiceDelta) -> list[CompletionStreamChunk]:
+        def chunks_of(index: int, delta: ChoiceDelta) -> list[bytes]:
             if delta.is_empty:
                 return []
             usage = plan.choices[index].usage() if with_usage else None
-            choices = [to_choice(index, [delta], with_logprobs)]
-            return [CompletionStreamChunk(plan.id, plan.created, plan.model, choices, usage)]
+            return [template.chunk(index, delta, usage)]
 
         def usage_chunk(usage: Usage) -> CompletionStreamChunk:
             return CompletionStreamChunk(plan.id, plan.created, plan.model, [], usage)
@@ -96,6 +96,41 @@ def completion_fields(req: CompletionRequest) -> ApiFields:
         echo=req.echo,
         return_tokens_as_token_ids=req.return_tokens_as_token_ids,
     )
+
+
+class ChunkTemplate:
+    """A streamed chunk's JSON bytes from parts encoded once per request: per chunk only the
+    delta's own fields are encoded. The bytes are exactly msgspec's encoding of the
+    CompletionStreamChunk the same delta makes (the field order of protocol.py)."""
+
+    _PLAIN_TAIL = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]'
+
+    def __init__(self, request_id: str, created: int, model: str, with_logprobs: bool) -> None:
+        encode = msgspec.json.encode
+        self._head = (b'{"id":' + encode(request_id) + b',"created":' + encode(created)
+                      + b',"model":' + encode(model) + b',"choices":[{"index":')
+        self._heads: dict[int, bytes] = {}
+        self._with_logprobs = with_logprobs
+        self._encode = msgspec.json.Encoder().encode
+
+    def chunk(self, index: int, delta: ChoiceDelta, usage: Usage | None = None) -> bytes:
+        head = self._heads.get(index)
+        if head is None:
+            head = self._heads[index] = self._head + str(index).encode() + b',"text":'
+        encode = self._encode
+        if self._with_logprobs or delta.finish_reason is not None:
+            logprobs = b"null"
+            if self._with_logprobs:
+                logprobs = encode(CompletionLogprobs(delta.text_offset, delta.token_logprobs,
+                                                     delta.tokens, delta.top_logprobs))
+            tail = (b',"logprobs":' + logprobs + b',"finish_reason":'
+                    + encode(delta.finish_reason) + b',"stop_reason":'
+                    + encode(delta.stop_reason) + b"}]")
+        else:
+            tail = self._PLAIN_TAIL
+        usage_json = b"null" if usage is None else encode(usage)
+        return (head + encode(delta.text) + tail + b',"usage":' + usage_json
+                + b',"object":"text_completion"}')
 
 
 def to_choice(index: int, deltas: Sequence[ChoiceDelta], with_logprobs: bool) -> CompletionChoice:

@@ -21,6 +21,7 @@ import msgspec
 
 from frontend.errors import bad_request
 from frontend.openai.protocol import MAX_STOP_STRINGS, SamplingRequest, Usage, split_prompts
+from frontend.openai.reasoning import ReasoningPlan
 from frontend.openai.served_model import ServedModel
 from frontend.openai.structured import Constraint, read_constraint
 from frontend.text.output_processor import ChoiceProcessor, OutputOptions
@@ -45,6 +46,9 @@ class ApiFields:
     # A constraint the API derives itself (chat: from its tools); the request's own
     # response_format / structured_outputs are then refused by the API.
     constraint: Constraint | None = None
+    # Chat with a reasoning parser: how the choices split into reasoning and content, and where
+    # a constrained output's thinking ends for the engine (its grammar starts after it).
+    reasoning: ReasoningPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,7 @@ class RequestPlan:
     prompts: list[list[int]]
     # The field that constrains the output: the engine's refusal of its grammar is a 400 on it.
     constraint_param: str | None = None
+    reasoning: ReasoningPlan | None = None  # ApiFields.reasoning
     choices: list[ChoiceState] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -135,13 +140,13 @@ def plan_request(
     prompts = [served.prompt_ids(p) for p in split_prompts(api.prompt)]
     budgets = [sampling.budget(len(p), served.max_model_len) for p in prompts]
     plan = RequestPlan(f"{id_prefix}-{uuid.uuid4().hex}", served.name, prompts,
-                       constraint_param=sampling.constraint_param)
+                       constraint_param=sampling.constraint_param, reasoning=api.reasoning)
     for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
         for j in range(req.n):
             index = i * req.n + j
             params = sampling.params_for(budget, j)
             processor = ChoiceProcessor(
-                served.tokenizer, prompt, sampling.options, served.token_text
+                served.tokenizer, prompt, sampling.options, served.token_text, served.pieces
             )
             plan.choices.append(ChoiceState(index, f"{plan.id}-{index}", prompt, params, processor))
     if request_log.isEnabledFor(logging.INFO):  # --enable-log-requests
@@ -178,6 +183,7 @@ def read_sampling(req: SamplingRequest, api: ApiFields, served: ServedModel) -> 
         logprobs=api.logprobs,
         prompt_logprobs=api.logprobs if api.echo else None,
         structured=None if constraint is None else constraint.output,
+        reasoning_end=list(api.reasoning.engine_end) if api.reasoning and constraint else [],
     )
     options = OutputOptions(
         echo=api.echo,
@@ -187,6 +193,10 @@ def read_sampling(req: SamplingRequest, api: ApiFields, served: ServedModel) -> 
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         return_tokens_as_token_ids=api.return_tokens_as_token_ids,
+        # chat's logprobs are built from the generated tokens, completions' from the entries;
+        # a reasoning answer counts its thinking's tokens (the Responses API's usage)
+        generated_tokens=(api.logprobs is not None and not api.logprob_entries
+                          or api.reasoning is not None),
     )
     return SamplingPlan(params, options, api.max_tokens, req.min_tokens, req.seed,
                         None if constraint is None else constraint.param)

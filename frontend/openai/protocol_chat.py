@@ -34,6 +34,10 @@ class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    # An assistant message's thinking (vLLM's name, and the older one), for templates that
+    # render it (Qwen3's reads `reasoning_content`); both reach the template.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
@@ -81,12 +85,15 @@ class ToolCall(msgspec.Struct):
 
 
 class ResponseMessage(msgspec.Struct):
-    """The answer's message; content is null when tool calls replace it, and `tool_calls` is
-    left out of answers without any."""
+    """The answer's message; content is null when tool calls replace it (or the thinking never
+    ended), and `tool_calls` is left out of answers without any, the reasoning fields out of
+    answers of a server without a reasoning parser."""
 
     content: str | None
     role: str = "assistant"  # --response-role
     tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
+    reasoning: str | None | msgspec.UnsetType = msgspec.UNSET
+    reasoning_content: str | None | msgspec.UnsetType = msgspec.UNSET  # the alias, when asked
 
 
 class ChatChoice(msgspec.Struct):
@@ -121,12 +128,14 @@ class DeltaToolCall(msgspec.Struct, omit_defaults=True):
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
-    """What a stream chunk adds to a message: role in the first chunk only, then content or
-    tool calls."""
+    """What a stream chunk adds to a message: role in the first chunk only, then content,
+    reasoning or tool calls."""
 
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None  # the alias, when asked
 
 
 class ChatStreamChoice(msgspec.Struct):
@@ -169,7 +178,8 @@ def check_message(i: int, message: ChatMessage) -> None:
             f"(use one of {', '.join(ROLES)})",
             "messages",
         )
-    if message.content is None and not (message.role == "assistant" and message.tool_calls):
+    if message.content is None and not (message.role == "assistant" and (
+            message.tool_calls or message.reasoning or message.reasoning_content)):
         raise bad_request(f"messages[{i}].content is required", "messages")
     if isinstance(message.content, list):
         for part in message.content:

@@ -18,6 +18,7 @@ import msgspec
 from frontend.errors import OpenAIError, bad_request
 from frontend.openai.protocol import ModelCard
 from frontend.openai.protocol_chat import ChatMessage, ContentPart, check_messages
+from frontend.text.byte_pieces import BytePieces
 from frontend.text.logprob_text import TokenTextCache
 from shared.messages import Ready
 
@@ -37,6 +38,7 @@ class ServedModel:
         # ids both sides know: a tokenizer may pad its vocabulary, a model may pad its head
         self.vocab_size = min(len(tokenizer), engine_vocab_size)
         self.token_text = TokenTextCache(tokenizer)  # shared by every request
+        self.pieces = BytePieces.of(tokenizer)  # the detokenizer's fast path, when it applies
 
     @classmethod
     def from_ready(cls, tokenizer: Any, ready: Ready, name: str | None = None) -> ServedModel:
@@ -116,7 +118,8 @@ def template_messages(
     messages: list[ChatMessage], has_developer_role: bool
 ) -> list[dict[str, Any]]:
     """The messages as dicts for `apply_chat_template`; developer becomes system where the
-    template does not know the developer role."""
+    template does not know the developer role; an assistant message's thinking is given as
+    both `reasoning` and `reasoning_content` (its missing content as "")."""
     rendered = []
     for message in messages:
         item = msgspec.structs.asdict(message)
@@ -124,6 +127,11 @@ def template_messages(
         item["content"] = content_text(message.content)
         if message.role == "developer" and not has_developer_role:
             item["role"] = "system"
+        reasoning = message.reasoning or message.reasoning_content
+        if reasoning is not None:  # templates read one name or the other
+            item["reasoning"] = item["reasoning_content"] = reasoning
+            if item["content"] is None:
+                item["content"] = ""
         rendered.append(item)
     return rendered
 

@@ -1,19 +1,21 @@
 """What the OpenAI generation APIs share below them: running a plan's choices against the engine,
 answering as JSON or as server-sent events, and mapping engine failures to OpenAI errors.
 
-`run_choices` sends one engine request per choice and turns engine steps into ChoiceProcessor
-deltas. Whatever ends it — success, error, client disconnect, a client that stopped reading,
-cancellation — every engine request still running is aborted. `collect_choices` (a JSON answer)
-and `stream_choices` (SSE) consume the very same deltas, so a streamed and a non-streamed answer
-agree exactly. `prepare` decodes and plans a large body on a worker thread, off the event loop.
+`ChoiceRun` sends one engine request per choice and turns engine steps into ChoiceProcessor
+deltas, one per choice per wake-up however many steps arrived meanwhile (the output merging of
+docs/architecture.md). Whatever ends it — success, error, client disconnect, a client that
+stopped reading, cancellation — every engine request still running is aborted.
+`collect_choices` (a JSON answer) and `stream_choices` (SSE) consume the very same deltas, so a
+streamed and a non-streamed answer agree exactly. `prepare` decodes and plans a large body on a
+worker thread, off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
-from contextlib import aclosing
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 import msgspec
@@ -26,32 +28,23 @@ from frontend.errors import OpenAIError, bad_request
 from frontend.http_limits import HTTP_LIMITS
 from frontend.openai.plan import ChoiceState, RequestPlan
 from frontend.openai.protocol import Usage
+from frontend.openai.sse import Chunk, ClientGoneError, SSEWriter
 from frontend.text.output_processor import ChoiceDelta
 
 logger = logging.getLogger(__name__)
 
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 # A body this large is decoded, tokenized and planned on a worker thread (docs/reliability.md:
 # tokenizing takes ~1 ms per KiB on a slow core); `tokenizers` releases the GIL meanwhile.
 OFF_LOOP_BYTES = 16 * 1024
 RETRY_AFTER_S = 1  # what every 503 tells the client (the Retry-After header)
 T = TypeVar("T")
 
-ChunksOf = Callable[[int, ChoiceDelta], Iterable[msgspec.Struct]]  # (choice, delta) -> payloads
+ChunksOf = Callable[[int, ChoiceDelta], Iterable[Chunk]]  # (choice, delta) -> payloads
 UsageChunk = Callable[[Usage], msgspec.Struct]  # the last payload, when usage was asked
 
 
 class EngineRequestError(Exception):
     """The engine finished a request with "error" (e.g. it can never fit in the KV cache)."""
-
-
-class ClientGoneError(Exception):
-    """A stream's client is gone: it closed its connection (or took nothing for the write
-    timeout, and the connection was closed)."""
-
-
-class StalledClientError(ClientGoneError):
-    """A stream's client took nothing for the write timeout; its connection is closed."""
 
 
 async def prepare(body: bytes, make: Callable[[bytes], T]) -> T:
@@ -67,54 +60,147 @@ class ChoiceOutput(NamedTuple):
     delta: ChoiceDelta
 
 
-async def run_choices(
-    client: EngineGroup, choices: Sequence[ChoiceState]
-) -> AsyncGenerator[ChoiceOutput, None]:
-    """Yield each choice's deltas as the engine produces them; abort leftovers on exit.
+@dataclass(frozen=True)
+class StreamingOptions:
+    """How streamed outputs are grouped into chunks (set once per frontend, from its flags).
 
-    `choices[i].index` must be i. Raises EngineRequestError or EngineDeadError.
+    `stream_interval`: vLLM's --stream-interval: a choice's first output is sent at once, then
+    its text waits until it carries this many more tokens (or the choice finished).
+    `merge_steps` (tests only): every consumer waits for this many engine wake-ups before it
+    sends, so that the merged path runs on every step even on a fast machine."""
+
+    stream_interval: int = 1
+    merge_steps: int = 1
+
+
+STREAMING = web.AppKey("streaming", StreamingOptions)
+NO_GROUPING = StreamingOptions()
+
+
+class ChoiceRun:
+    """A plan's choices against the engine, one engine request each.
+
+    `start()` sends them. `await next()` returns, per wake-up, one delta per choice that gained
+    anything: whatever engine steps arrived for it since the last call, folded into one
+    (exactly the concatenation of their separate deltas: ChoiceProcessor.delta), so a consumer
+    that fell behind catches up in one chunk; `[]` once every choice finished. `close()` aborts
+    whatever still runs: call it however the run ends (success, error, disconnect,
+    cancellation). `choices[i].index` must be i. `next()` raises EngineRequestError or
+    EngineDeadError.
     """
-    stream = OutputStream()
-    try:
-        for c in choices:
-            client.add(c.request_id, c.prompt_ids, c.params, stream, c.index)
-        while batch := await stream.get():
-            for item in batch:
-                for delta in advance(client, choices[item.choice], item):
-                    yield ChoiceOutput(item.choice, delta)
-    finally:
-        client.abort(stream.unfinished)
 
+    def __init__(self, client: EngineGroup, choices: Sequence[ChoiceState],
+                 options: StreamingOptions = NO_GROUPING) -> None:
+        self._client = client
+        self._choices = choices
+        self._stream = OutputStream()
+        self._interval = options.stream_interval
+        self._merge_steps = options.merge_steps
+        self._held = [0] * len(choices)  # tokens fed and not yet sent, per choice
+        self._sent = [False] * len(choices)  # a delta of the choice went out
+        self._wakeups = 0  # listener calls since outputs were last taken (merge_steps)
 
-def advance(client: EngineGroup, choice: ChoiceState, item: StepItem) -> list[ChoiceDelta]:
-    """Feed one engine step to the choice's processor."""
-    proc = choice.processor
-    if proc.finished:  # stopped by a string: what was already in flight is dropped
-        return []
-    if item.finish_reason == "error":
-        raise EngineRequestError(item.error or "the engine could not run this request")
-    deltas = []
-    if not choice.started:
-        choice.started = True
-        deltas.append(proc.prompt(item.prompt_logprobs))
-    if item.token_id is not None or item.finish_reason is not None:
-        deltas.append(
-            proc.step(item.token_id, item.logprob, item.finish_reason, item.stop_token_id)
-        )
-    if proc.stopped_by_string:
-        client.abort([choice.request_id], stopped=True)
-    return deltas
+    def start(self) -> None:
+        """Send the engine requests; raises EngineDeadError while the engine is not answering."""
+        for c in self._choices:
+            self._client.add(c.request_id, c.prompt_ids, c.params, self._stream, c.index)
+
+    def close(self) -> None:
+        self._client.abort(self._stream.unfinished)
+
+    @property
+    def ended(self) -> bool:
+        """Every choice finished (or the engine died): `next()` has nothing more to give."""
+        return self._stream.ended
+
+    @property
+    def pending(self) -> bool:
+        """Engine outputs arrived and wait to be taken."""
+        return self._stream.pending
+
+    def listen(self, listener: Callable[[], None]) -> None:
+        """Have `listener` called when outputs arrive while nobody awaits `next()`
+        (OutputStream.listen); it takes them with `take_now()`."""
+        self._stream.listen(listener)
+
+    def take_now(self) -> list[ChoiceOutput]:
+        """`next()` without waiting: the deltas of what has arrived ([] if nothing is due)."""
+        self._wakeups += 1
+        if self._wakeups < self._merge_steps and self._stream.unfinished:
+            return []
+        self._wakeups = 0
+        batch = self._stream.take()
+        return self._advance(batch) if batch else self._rest() if self.ended else []
+
+    async def next(self) -> list[ChoiceOutput]:
+        while batch := await self._take():
+            if outputs := self._advance(batch):
+                return outputs
+        return self._rest()
+
+    async def _take(self) -> list[StepItem]:
+        batch = await self._stream.get()
+        for _ in range(self._merge_steps - 1):
+            if not self._stream.unfinished:
+                break
+            batch += await self._stream.get()
+        return batch
+
+    def _advance(self, batch: list[StepItem]) -> list[ChoiceOutput]:
+        """Feed the batch to the choices' processors; one delta per choice that is due."""
+        touched: list[int] = []
+        for item in batch:
+            index = item.choice
+            choice = self._choices[index]
+            proc = choice.processor
+            if proc.finished:  # stopped by a string: what was already in flight is dropped
+                continue
+            if item.finish_reason == "error":
+                raise EngineRequestError(item.error or "the engine could not run this request")
+            if not choice.started:
+                choice.started = True
+                proc.feed_prompt(item.prompt_logprobs)
+            if item.token_id is not None or item.finish_reason is not None:
+                proc.feed(item.token_id, item.logprob, item.finish_reason, item.stop_token_id)
+                self._held[index] += item.token_id is not None
+            if proc.stopped_by_string:
+                self._client.abort([choice.request_id], stopped=True)
+            if not touched or touched[-1] != index:
+                touched.append(index)
+        if len(touched) > 1:
+            touched = list(dict.fromkeys(touched))
+        return [ChoiceOutput(i, self._take_delta(i)) for i in touched if self._due(i)]
+
+    def _due(self, index: int) -> bool:
+        """vLLM's stream interval: the first output at once, then every `interval` tokens."""
+        return (self._interval == 1 or not self._sent[index]
+                or self._held[index] >= self._interval
+                or self._choices[index].processor.finished)
+
+    def _take_delta(self, index: int) -> ChoiceDelta:
+        self._sent[index] = True
+        self._held[index] = 0
+        return self._choices[index].processor.delta()
+
+    def _rest(self) -> list[ChoiceOutput]:
+        """At the end: what a stream interval still held (choices aborted unfinished)."""
+        return [ChoiceOutput(i, self._take_delta(i)) for i in range(len(self._choices))
+                if self._held[i]]
 
 
 async def collect_choices(client: EngineGroup, plan: RequestPlan) -> list[list[ChoiceDelta]]:
     """Every delta of every choice, in order (for a JSON answer); raises OpenAIError."""
     collected: list[list[ChoiceDelta]] = [[] for _ in plan.choices]
+    run = ChoiceRun(client, plan.choices)
     try:
-        async with aclosing(run_choices(client, plan.choices)) as outputs:
-            async for index, delta in outputs:
+        run.start()
+        while outputs := await run.next():
+            for index, delta in outputs:
                 collected[index].append(delta)
     except (EngineRequestError, EngineDeadError) as exc:
         raise engine_error(exc, plan.constraint_param) from None
+    finally:
+        run.close()
     return collected
 
 
@@ -125,16 +211,15 @@ async def stream_choices(
     chunks_of: ChunksOf,
     usage_chunk: UsageChunk | None,
 ) -> web.StreamResponse:
-    """Answer with server-sent events: `chunks_of` each delta, then `usage_chunk` if given, then
-    [DONE]. An engine failure before the first event is a plain error response; after it, an
-    error event ends the stream."""
+    """Answer with server-sent events: `chunks_of` each delta (every chunk of one wake-up in
+    one write), then `usage_chunk` if given, then [DONE]. An engine failure before the first
+    event is a plain error response; after it, an error event ends the stream."""
     sse = SSEWriter(request, request.app[HTTP_LIMITS].write_timeout)
+    run = ChoiceRun(client, plan.choices, request.app.get(STREAMING, NO_GROUPING))
     try:
         try:
-            async with aclosing(run_choices(client, plan.choices)) as outputs:
-                async for index, delta in outputs:
-                    for payload in chunks_of(index, delta):
-                        await sse.send(payload)
+            run.start()
+            await EventPump(run, sse, chunks_of).run()
         except (EngineRequestError, EngineDeadError) as exc:
             if not sse.started:
                 raise engine_error(exc, plan.constraint_param) from None
@@ -145,53 +230,59 @@ async def stream_choices(
     except ClientGoneError as exc:  # its engine requests were aborted on the way out
         logger.info("closed the stream of %s: %s", plan.id, exc)
         return sse.response
+    finally:
+        run.close()
+        sse.close()
 
 
-class SSEWriter:
-    """Server-sent events, prepared lazily at the first event: an error found before anything
-    was sent can still be answered with a plain status and JSON body. A write the client does
-    not take within `write_timeout` closes the connection and raises StalledClientError; a write
-    to a connection the client closed raises ClientGoneError."""
+class EventPump:
+    """Writes a run's deltas as events until every choice finished.
 
-    def __init__(self, request: web.Request, write_timeout: float) -> None:
-        self.request = request
-        self.response = web.StreamResponse(headers=_SSE_HEADERS)
-        self.started = False
-        self.write_timeout = write_timeout
-        self._encoder = msgspec.json.Encoder()
+    While the client takes everything as it comes, the handler task parks and the run's
+    listener writes each wake-up's events straight to the socket (`SSEWriter.write_now`): no
+    task switch and no coroutine per token. The task takes over, awaiting the run and writing
+    through aiohttp (which waits for a lagging client's socket to drain), for the first event
+    (the response is prepared then), whenever the socket holds a backlog (then what arrives
+    meanwhile merges), and at the end or on an error, which the listener hands it."""
 
-    async def send(self, payload: msgspec.Struct) -> None:
-        await self._write(self._encoder.encode(payload))
+    def __init__(self, run: ChoiceRun, sse: SSEWriter, chunks_of: ChunksOf) -> None:
+        self._run = run
+        self._sse = sse
+        self._chunks_of = chunks_of
+        self._parked: asyncio.Future[None] | None = None
 
-    async def fail(self, error_json: bytes) -> web.StreamResponse:
-        """Send an error event and end the stream (no [DONE])."""
-        await self._write(error_json)
-        await self._timed(self.response.write_eof())
-        return self.response
+    async def run(self) -> None:
+        self._run.listen(self._on_outputs)
+        while outputs := await self._run.next():
+            await self._sse.send_all(self._payloads(outputs))
+            if self._sse.can_write_now() and not self._run.pending and not self._run.ended:
+                await self._park()
 
-    async def done(self) -> web.StreamResponse:
-        await self._write(b"[DONE]")
-        await self._timed(self.response.write_eof())
-        return self.response
-
-    async def _write(self, data: bytes) -> None:
-        if not self.started:
-            self.started = True
-            await self._timed(self.response.prepare(self.request))
-        await self._timed(self.response.write(b"data: " + data + b"\n\n"))
-
-    async def _timed(self, write: Awaitable[Any]) -> None:
-        """A write waits while the client's socket buffers are full: at most write_timeout."""
+    async def _park(self) -> None:
+        self._parked = asyncio.get_running_loop().create_future()
         try:
-            async with asyncio.timeout(self.write_timeout):
-                await write
-        except TimeoutError:
-            if (transport := self.request.transport) is not None:
-                transport.abort()  # close() would wait for the client to take what is queued
-            raise StalledClientError(
-                f"the client took nothing for {self.write_timeout:g} s") from None
-        except ConnectionResetError:  # aiohttp: "Cannot write to closing transport"
-            raise ClientGoneError("the client closed the connection") from None
+            await self._parked
+        finally:
+            self._parked = None
+
+    def _on_outputs(self) -> None:
+        parked = self._parked
+        if parked is None or parked.done():  # the task is at work: it takes them itself
+            return
+        try:
+            if not self._sse.can_write_now():  # a backlog, or a closed connection
+                parked.set_result(None)
+                return
+            self._sse.write_now(self._payloads(self._run.take_now()))
+            if self._run.ended:
+                parked.set_result(None)
+        except Exception as exc:  # noqa: BLE001 - the task raises it (an engine error...)
+            parked.set_exception(exc)
+
+    def _payloads(self, outputs: list[ChoiceOutput]) -> list[bytes]:
+        encode = self._sse.encode
+        return [encode(chunk) for index, delta in outputs
+                for chunk in self._chunks_of(index, delta)]
 
 
 def json_response(payload: Any) -> web.Response:

@@ -11,19 +11,24 @@ character completes; `flush()` releases whatever is left, so the final text stil
 decode: their own text is never emitted, and a context that ends inside a character is cut back
 to the last complete character so that its bytes cannot leak into the generated text.
 
-Fast path: `tokenizers.decoders.DecodeStream`, for Rust-backed tokenizers whose `decode` adds no
-clean-up of its own (then `tokenizer.decode` is the backend's decode, which DecodeStream
-follows). Otherwise, or if DecodeStream ever fails, a prefix/read-offset window over
-`tokenizer.decode` (the classic incremental scheme) does the same job.
+Fastest path, for byte-level BPE tokenizers (`BytePieces`): each token's bytes into an
+incremental UTF-8 decoder, which holds back exactly an unfinished character's bytes. Next:
+`tokenizers.decoders.DecodeStream`, for Rust-backed tokenizers whose `decode` adds no clean-up
+of its own (then `tokenizer.decode` is the backend's decode, which DecodeStream follows).
+Otherwise, or if DecodeStream ever fails, a prefix/read-offset window over `tokenizer.decode`
+(the classic incremental scheme) does the same job.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+from frontend.text.byte_pieces import BytePieces
 
 REPLACEMENT_CHAR = "\ufffd"
 CONTEXT_TOKENS = 6  # enough prompt tail for any decoder's look-back
@@ -41,10 +46,18 @@ class IncrementalDetokenizer:
         spaces_between_special_tokens: bool = True,
         context_ids: Sequence[int] = (),
         use_decode_stream: bool = True,
+        pieces: BytePieces | None = None,
     ) -> None:
+        """`pieces`: the tokenizer's BytePieces, for the byte path (context is not needed
+        there: a byte-level decode of the generated ids alone is what is asked)."""
         self._decode = _decode_function(
             tokenizer, skip_special_tokens, spaces_between_special_tokens
         )
+        self._pieces = pieces
+        self._skipped = pieces.special_ids if pieces is not None and skip_special_tokens else ()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        if pieces is not None:
+            context_ids, use_decode_stream = (), False
         context = complete_context(self._decode, context_ids)
         self._ids: list[int] = list(context)
         # The window: ids[prefix:read] decode to text already returned (or context), ids[read:]
@@ -68,6 +81,8 @@ class IncrementalDetokenizer:
     @property
     def has_pending(self) -> bool:
         """True while some added tokens have not produced their text yet."""
+        if self._pieces is not None:
+            return bool(self._utf8.getstate()[0])
         return self._read_offset < len(self._ids)
 
     def add(self, token_id: int) -> str:
@@ -77,7 +92,30 @@ class IncrementalDetokenizer:
         end of the text returned before this call (0 unless text was being held back).
         """
         held_before = self._held_text
+        if self._pieces is not None:
+            piece = b"" if token_id in self._skipped else self._pieces.get(token_id)
+            text = self._utf8.decode(piece)
+            if not held_before and piece and piece[-1] < 0x80:  # ends in ASCII: nothing held
+                self.last_token_start = 0
+                return text
+            pending = self._utf8.getstate()[0]
+            self._held_text = pending.decode("utf-8", "replace") if pending else ""
+            self.last_token_start = (
+                _shared_prefix(held_before, _stable(text or self._held_text)) if held_before else 0)
+            return text
         self._ids.append(token_id)
+        if not held_before and self._stream is not None:  # the common case, kept short
+            try:
+                chunk = self._stream[0].step(self._stream[1], token_id)
+            except Exception:  # noqa: BLE001 - a decoder DecodeStream cannot follow: fall back
+                self._stream = None
+            else:
+                self.last_token_start = 0
+                if chunk:
+                    self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                    return str(chunk)
+                self._held_text = self._pending_text()
+                return ""
         chunk = self._next_chunk(token_id)
         self._held_text = "" if chunk else self._pending_text()
         after = chunk or self._held_text
@@ -104,6 +142,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Release whatever is still held back (an incomplete character decodes to U+FFFD)."""
+        if self._pieces is not None:
+            self._held_text = ""
+            return self._utf8.decode(b"", final=True)
         text = self._window_step(final=True) if self.has_pending else ""
         self._held_text = ""
         self._stream = None  # the stream's own state is stale from here on

@@ -10,7 +10,7 @@ that carry bytes.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -65,12 +65,24 @@ class TokenTextCache:
 
     def get(self, token_id: int) -> str:
         """The logprob string of `token_id` (decoded alone, or bytes:... when not text)."""
-        if not 0 <= token_id < len(self._cache):
-            return self._compute(token_id)
-        text = self._cache[token_id]
-        if text is None:
-            text = self._cache[token_id] = self._compute(token_id)
-        return text
+        cache = self._cache
+        if 0 <= token_id < len(cache):
+            text = cache[token_id]
+            if text is None:
+                text = cache[token_id] = self._compute(token_id)
+            return text
+        return self._compute(token_id)
+
+    def strings(self, token_ids: Sequence[int]) -> list[str]:
+        """`get` of each id (for a row of top alternatives, at the cost of one lookup)."""
+        cache = self._cache
+        try:
+            found = [cache[i] for i in token_ids]
+        except (IndexError, TypeError):  # an id outside the vocabulary (or not an int)
+            return [self.get(int(i)) for i in token_ids]
+        if None in found:
+            return [self.get(int(i)) for i in token_ids]
+        return found  # type: ignore[return-value]  # no None left
 
     def _compute(self, token_id: int) -> str:
         text: str = self._tokenizer.decode([token_id], skip_special_tokens=False)

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from frontend.text.byte_pieces import BytePieces
 from frontend.text.detokenizer import IncrementalDetokenizer
 from frontend.text.logprob_text import TokenTextCache, token_id_repr
 from frontend.text.stop_strings import StopStringChecker
@@ -41,6 +42,9 @@ class OutputOptions:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
+    # Deltas carry the generated tokens (`ChoiceDelta.generated`): chat's logprobs are built
+    # from them. Without logprobs nobody reads them, and not keeping them is cheaper.
+    generated_tokens: bool = True
 
 
 class GeneratedToken(NamedTuple):
@@ -52,7 +56,7 @@ class GeneratedToken(NamedTuple):
     terminator: bool  # the EOS / stop token that ended the choice and added no text
 
 
-@dataclass
+@dataclass(slots=True)
 class ChoiceDelta:
     """What one choice gained since the previous call."""
 
@@ -94,11 +98,15 @@ class ChoiceProcessor:
         prompt_token_ids: list[int],
         options: OutputOptions,
         token_text: TokenTextCache | None = None,
+        pieces: BytePieces | None = None,
     ) -> None:
+        """`token_text`: the tokenizer's shared token strings (made here if None); `pieces`: its
+        shared BytePieces, the detokenizer's fast path (None: the general path)."""
         self._tokenizer = tokenizer
         self._prompt_ids = list(prompt_token_ids)
         self._options = options
         self._token_text = token_text if token_text is not None else TokenTextCache(tokenizer)
+        self._pieces = pieces
         self._detok = self._detokenizer(context_ids=self._prompt_ids)
         self._stop = StopStringChecker(options.stop, options.include_stop_str_in_output)
         self._produced = 0  # length of `full` had nothing been held back or cut
@@ -108,6 +116,11 @@ class ChoiceProcessor:
         self._num_generated = 0
         self._finish_reason: str | None = None
         self._stop_reason: str | int | None = None
+        self._finish_sent = False  # a delta carried the finish reason
+        # Per-token entries are queued only when someone reads them (logprobs, or chat's
+        # generated tokens); stop strings are checked only when there are some.
+        self._entries_wanted = options.logprobs is not None or options.generated_tokens
+        self._has_stops = bool(options.stop)
 
     @property
     def finished(self) -> bool:
@@ -128,6 +141,11 @@ class ChoiceProcessor:
         """Call once, before any step. With echo: the prompt text and, when logprobs were
         asked, one entry per prompt token (the first with logprob and top None);
         `prompt_logprobs` are those of prompt tokens 1..P-1."""
+        self.feed_prompt(prompt_logprobs)
+        return self.delta()
+
+    def feed_prompt(self, prompt_logprobs: Sequence[TokenLogprob] | None) -> None:
+        """`prompt`, its delta left for the next `delta()`."""
         if self._options.echo:
             if self._options.logprobs is None:
                 self._emit(
@@ -140,7 +158,6 @@ class ChoiceProcessor:
             else:
                 self._echo_tokens(prompt_logprobs)
             self._produced = self._released
-        return self._delta()
 
     def _echo_tokens(self, prompt_logprobs: Sequence[TokenLogprob] | None) -> None:
         """The prompt decoded token by token, so that each token's offset is known."""
@@ -158,6 +175,7 @@ class ChoiceProcessor:
             skip_special_tokens=self._options.skip_special_tokens,
             spaces_between_special_tokens=self._options.spaces_between_special_tokens,
             context_ids=context_ids,
+            pieces=self._pieces,
         )
 
     def step(
@@ -174,29 +192,61 @@ class ChoiceProcessor:
         """
         if self.finished:
             return ChoiceDelta()
+        self.feed(token_id, logprob, finish_reason, stop_token_id)
+        return self.delta()
+
+    def feed(
+        self,
+        token_id: int | None,
+        logprob: TokenLogprob | None,
+        finish_reason: str | None,
+        stop_token_id: int | None = None,
+    ) -> None:
+        """`step`, its delta left for the next `delta()`: feeding several steps and taking one
+        delta gives exactly the concatenation of their deltas (the merged chunk of a stream
+        that fell behind). Ignored once the choice finished."""
+        if self._finish_reason is not None:
+            return
         if token_id is not None:
             self._num_generated += 1
             if finish_reason == "stop" and not self._options.include_stop_str_in_output:
                 self._generated_text(self._detok.flush())  # the terminator comes after it all
-                generated = GeneratedToken(token_id, logprob, terminator=True)
-                self._queue(token_id, logprob, self._produced, generated)
+                if self._entries_wanted:
+                    generated = (GeneratedToken(token_id, logprob, terminator=True)
+                                 if self._options.generated_tokens else None)
+                    self._queue(token_id, logprob, self._produced, generated)
+            elif not self._entries_wanted:
+                text = self._detok.add(token_id)
+                if text:
+                    self._generated_text(text)
             else:
                 produced, text = self._produced, self._detok.add(token_id)
-                generated = GeneratedToken(token_id, logprob, terminator=False)
+                generated = (GeneratedToken(token_id, logprob, terminator=False)
+                             if self._options.generated_tokens else None)
                 self._queue(token_id, logprob, produced + self._detok.last_token_start, generated)
                 self._generated_text(text)
-        if self._stop.matched is None and finish_reason is not None:
+        if finish_reason is not None:
+            self._finish(finish_reason, stop_token_id)
+        elif self._stop.matched is not None:
+            self._finish_reason, self._stop_reason = "stop", self._stop.matched
+
+    def _finish(self, finish_reason: str, stop_token_id: int | None) -> None:
+        if self._stop.matched is None:
             self._generated_text(self._detok.flush())
             self._emit(self._stop.flush())
             if self._stop.matched is None:
                 self._finish_reason, self._stop_reason = finish_reason, stop_token_id
         if self._stop.matched is not None:
             self._finish_reason, self._stop_reason = "stop", self._stop.matched
-        return self._delta()
 
     def _generated_text(self, text: str) -> None:
         """Newly final generated text: through the stop strings, then out."""
-        if text and self._stop.matched is None:
+        if not self._has_stops:
+            if text:
+                self._produced += len(text)
+                self._text_out.append(text)
+                self._released += len(text)
+        elif text and self._stop.matched is None:
             self._produced += len(text)
             self._emit(self._stop.feed(text).text)
 
@@ -213,31 +263,51 @@ class ChoiceProcessor:
         generated: GeneratedToken | None,
     ) -> None:
         """Queue the token's entry; `offset` is where its text starts in `full`."""
-        if self._options.logprobs is None:
+        k = self._options.logprobs
+        if k is None:
             self._entries.append(_Entry(generated, offset, None, None, None))
             return
-        token = self._token_string(token_id)
-        top = None if logprob is None else self._top_dict(token, logprob)
-        value = None if logprob is None else float(logprob.logprob)
-        self._entries.append(_Entry(generated, offset, token, value, top))
-
-    def _token_string(self, token_id: int) -> str:
         if self._options.return_tokens_as_token_ids:
-            return token_id_repr(token_id)
-        return self._token_text.get(token_id)
+            token = token_id_repr(token_id)
+        else:
+            token = self._token_text.get(token_id)
+        if logprob is None:
+            self._entries.append(_Entry(generated, offset, token, None, None))
+            return
+        value = float(logprob.logprob)
+        self._entries.append(_Entry(generated, offset, token, value, self._top_dict(
+            token, value, logprob.top_ids[:k], logprob.top_logprobs[:k])))
 
-    def _top_dict(self, token: str, logprob: TokenLogprob) -> dict[str, float]:
-        k = self._options.logprobs or 0
-        top: dict[str, float] = {}
-        for token_id, value in zip(logprob.top_ids[:k], logprob.top_logprobs[:k]):
-            top.setdefault(self._token_string(int(token_id)), float(value))
-        top.setdefault(token, float(logprob.logprob))
+    def _top_dict(self, token: str, value: float, ids: Sequence[int],
+                  values: Sequence[float]) -> dict[str, float]:
+        """The top alternatives by token string, the sampled token's added if not among
+        them; when two ids have the same string, the first (likelier) one's value counts."""
+        if self._options.return_tokens_as_token_ids:
+            keys = [token_id_repr(int(i)) for i in ids]
+        else:
+            keys = self._token_text.strings(ids)
+        top = dict(zip(keys, map(float, values)))
+        if len(top) < len(keys):  # a string twice: keep the first one's value
+            top = {}
+            for key, alternative in zip(keys, values):
+                top.setdefault(key, float(alternative))
+        top.setdefault(token, value)
         return top
 
-    def _delta(self) -> ChoiceDelta:
-        """Collect released text and the entries it releases (all of them at finish)."""
-        delta = ChoiceDelta(text="".join(self._text_out))
-        self._text_out.clear()
+    def delta(self) -> ChoiceDelta:
+        """What was released since the last delta: its text and the entries it releases (all of
+        them at finish), and the finish reason the first time after the choice finished."""
+        out = self._text_out
+        delta = ChoiceDelta(out[0] if len(out) == 1 else "".join(out))
+        out.clear()
+        if self._entries:
+            self._release_entries(delta)
+        if self._finish_reason is not None and not self._finish_sent:
+            self._finish_sent = True
+            delta.finish_reason, delta.stop_reason = self._finish_reason, self._stop_reason
+        return delta
+
+    def _release_entries(self, delta: ChoiceDelta) -> None:
         while self._entries and (self.finished or self._entries[0].offset < self._released):
             entry = self._entries.popleft()
             if entry.generated is not None:
@@ -247,8 +317,6 @@ class ChoiceProcessor:
                 delta.token_logprobs.append(entry.logprob)
                 delta.top_logprobs.append(entry.top)
                 delta.text_offset.append(min(entry.offset, self._released))
-        delta.finish_reason, delta.stop_reason = self._finish_reason, self._stop_reason
-        return delta
 
 
 def merge_deltas(deltas: Iterable[ChoiceDelta]) -> ChoiceDelta:

@@ -2,7 +2,14 @@
 
     .venv/bin/python tests/bench/frontend_only.py [--num-prompts 256] [--input-len 128]
         [--output-len 64] [--max-concurrency 64] [--frontends 1 2] [--repeats 1]
-        [--no-echo-logprobs] [--engine-step-ms 0]
+        [--no-echo-logprobs] [--engine-step-ms 0] [--frontend-args "--stream-interval 2"]
+        [--frontend-repo DIR]
+
+The figures issue 27 is judged by (one frontend, 5 ms engine steps, 256 streams x 128 tokens,
+64-token prompts; docs/benchmarks.md):
+
+    .venv/bin/python tests/bench/frontend_only.py --num-prompts 256 --max-concurrency 256 \
+        --input-len 64 --output-len 128 --engine-step-ms 5 --frontends 1 --repeats 3
 
 A no-op engine (tests/bench/noop_engine.py: the real ZeroMQ protocol, every token sent at
 once, one StepOutputs per frontend per loop iteration) stands in for the engine core, so every
@@ -21,6 +28,16 @@ tokens, streamed completions of --output-len tokens (ignore_eos), all sent at on
 With no step time, requests seldom overlap in the engine, so a StepOutputs carries about one
 request and a frontend handles one message per token (the rows/msg column); --engine-step-ms
 spaces the steps as a real engine's forward passes would, and each message then carries many.
+
+Per run it also prints what a frontend costs: its CPU time per streamed token (utime + stime
+of its process from /proc over the timed round, divided by the completion tokens the round
+streamed; with several frontends, their sum), the client's TPOT p50 next to the engine's step
+interval (a frontend that keeps up streams at the step's pace), whether every character of
+text the no-op engine's tokens make reached the client (`text`: the streamed text's length
+against the length of the decoded outputs the engine was asked for), tokens per text chunk (above
+1 when a frontend fell behind and merged steps), and each frontend's RSS after the run.
+--frontend-repo runs the frontends from another checkout (the same engine, client and
+interpreter), so that a before/after pair is measured in the same conditions.
 
 One unmeasured warm-up run per group (short outputs, same concurrency) comes first. Printed per
 run: requests/s, streamed tokens/s, the ratio to 1 frontend, TTFT, ITL and end-to-end p50 (the
@@ -56,7 +73,7 @@ from typing import Any, Self
 
 import zmq
 
-from frontend.bench import BenchConfig, BenchResult, Target, run_benchmark
+from frontend.bench import BenchConfig, BenchResult, DatasetConfig, Target, run_benchmark
 from shared.messages import EngineStats, UtilityRequest, UtilityResult
 from shared.transport import InputCodec, OutputCodec, configure
 
@@ -78,10 +95,10 @@ class Children:
         self.log_dir = log_dir
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
-    def start(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
+    def start(self, name: str, args: Sequence[str], cwd: Path = REPO) -> subprocess.Popen[bytes]:
         with open(self.log_dir / f"{name}.log", "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+                [sys.executable, *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT
             )
         self.procs.append((name, proc))
         return proc
@@ -154,6 +171,17 @@ def box_cpu_seconds() -> float:
         return 0.0
 
 
+def rss_mb(pid: int) -> float:
+    """VmRSS of a live process in MiB (Linux /proc); 0.0 where unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
 def own_cpu_seconds() -> float:
     times = os.times()
     return times.user + times.system
@@ -186,6 +214,10 @@ class Row:
     cpu_engine: float
     cpu_client: float
     cpu_other: float  # the rest of the machine (other processes) over the same window
+    cpu_us_per_token: float  # the frontends' CPU seconds over the round / streamed tokens, in µs
+    text_ok: bool  # the streamed text has every character the engine's tokens decode to
+    tokens_per_chunk: float  # streamed tokens over the text chunks that carried them
+    rss_mb: tuple[float, ...]  # each frontend's VmRSS after the round
 
 
 @dataclass(frozen=True)
@@ -200,7 +232,8 @@ ECHO_LP = Workload("echo+lp5", echo=True, logprobs=5)
 
 
 def start_frontends(
-    children: Children, count: int, engine_address: str, log_dir: Path
+    children: Children, count: int, engine_address: str, log_dir: Path, extra: Sequence[str],
+    repo: Path = REPO,
 ) -> tuple[int, list[tuple[str, subprocess.Popen[bytes]]]]:
     port = free_port()
     started = []
@@ -223,7 +256,9 @@ def start_frontends(
                 "2",
                 "--log-level",
                 "warning",
+                *extra,
             ],
+            cwd=repo,
         )
         started.append((name, proc, ready))
     for name, proc, ready in started:
@@ -243,8 +278,9 @@ def bench_config(
     return BenchConfig(
         target=Target(f"http://127.0.0.1:{port}"),
         num_prompts=num_prompts or args.num_prompts,
-        input_len=args.input_len,
-        output_len=output_len or args.output_len,
+        dataset=DatasetConfig(random_input_len=args.input_len,
+                              random_output_len=output_len or args.output_len),
+        ignore_eos=True,
         max_concurrency=args.max_concurrency,
         seed=args.seed,
         tokenizer=tokenizer,
@@ -302,6 +338,27 @@ class CpuSampler:
         return {name: 100 * (b[name] - a[name]) / max(end - start, 1e-9) for name in a}
 
 
+def expected_text_chars(config: BenchConfig) -> int:
+    """The characters a run of `config` must stream in all: what the no-op engine's tokens for
+    each prompt decode to (token k of a request is its prompt's token k, BOS left out, cycling;
+    tests/bench/noop_engine.py), plus the prompt's own text with echo."""
+    from frontend.bench import prepare_workload, round_seed
+    from frontend.bench.workload import load_tokenizer
+
+    tokenizer = load_tokenizer(str(config.tokenizer))
+    workload = asyncio.run(prepare_workload(tokenizer, config, round_seed(config.seed, 1)))
+    bos = getattr(tokenizer, "bos_token_id", None)
+    total = 0
+    for prompt in workload.prompts:
+        ids = list(tokenizer.encode(prompt.text))
+        source = [i for i in ids if i != bos] or ids
+        generated = [source[k % len(source)] for k in range(prompt.output_len)]
+        total += len(tokenizer.decode(generated, skip_special_tokens=True))
+        if config.echo:
+            total += len(tokenizer.decode(ids, skip_special_tokens=True))
+    return total
+
+
 def measure(
     args: argparse.Namespace,
     port: int,
@@ -309,6 +366,7 @@ def measure(
     workload: Workload,
     engine: tuple[str, subprocess.Popen[bytes]],
     frontends: list[tuple[str, subprocess.Popen[bytes]]],
+    expected_chars: int,
 ) -> Row:
     address, engine_proc = engine
     pids: dict[str, int | None] = {name: proc.pid for name, proc in frontends}
@@ -318,10 +376,16 @@ def measure(
         result = asyncio.run(run_benchmark(bench_config(args, port, tokenizer, workload)))
         ended = time.perf_counter()
     after = engine_stats(address)
+    rss = tuple(rss_mb(proc.pid) for _, proc in frontends)
     # The timed round is the end of run_benchmark (loading the tokenizer and building the
     # prompts come first, untimed): CPU is read over that window only.
     summary = result.summary
     cpu = sampler.percent(ended - summary.duration_s, ended)
+    fe_cpu_s = sum(cpu[name] for name, _ in frontends) / 100 * summary.duration_s
+    streamed = sum(r.text_chars for r in result.requests)
+    if streamed != expected_chars:
+        print(f"  {workload.name}: the client got {streamed} characters of text, "
+              f"{expected_chars} expected", file=sys.stderr)
     messages = after.output_messages - before.output_messages
     rows = after.output_rows - before.output_rows
     if summary.failed:
@@ -340,6 +404,10 @@ def measure(
         cpu["engine"],
         cpu["client"],
         max(0.0, cpu["box"] - sum(v for name, v in cpu.items() if name != "box")),
+        1e6 * fe_cpu_s / max(summary.output_tokens, 1),
+        streamed == expected_chars,
+        summary.output_tokens / max(1, sum(len(r.text_times) for r in result.requests)),
+        rss,
     )
 
 
@@ -351,7 +419,9 @@ def format_table(args: argparse.Namespace, rows: list[Row]) -> str:
     header = (
         f"{'workload':<9} {'frontends':>9} {'req/s':>7} {'tok/s':>7} {'vs 1 FE':>7} "
         f"{'TTFT p50 ms':>11} {'ITL p50 ms':>10} {'E2E p50 ms':>10} {'ok':>5} "
-        f"{'rows/msg':>8} {'CPU% FE':>9} {'engine':>6} {'client':>6} {'other':>5}"
+        f"{'rows/msg':>8} {'CPU% FE':>9} {'engine':>6} {'client':>6} {'other':>5} "
+        f"{'FE us/tok':>9} {'TPOT p50':>8} {'step':>5} {'tok/chunk':>9} {'text':>4} "
+        f"{'RSS MB':>7}"
     )
     lines = [
         (
@@ -375,7 +445,10 @@ def format_table(args: argparse.Namespace, rows: list[Row]) -> str:
             f"{s.output_throughput:>7.0f} {ratio:>7} {ms(s.ttft_ms):>11} "
             f"{ms(s.itl_ms, 3):>10} {ms(s.e2el_ms):>10} {s.completed:>5} "
             f"{row.rows_per_msg:>8.2f} {'+'.join(f'{c:.0f}' for c in row.cpu_frontends):>9} "
-            f"{row.cpu_engine:>6.0f} {row.cpu_client:>6.0f} {row.cpu_other:>5.0f}"
+            f"{row.cpu_engine:>6.0f} {row.cpu_client:>6.0f} {row.cpu_other:>5.0f} "
+            f"{row.cpu_us_per_token:>9.1f} {ms(s.tpot_ms, 2):>8} {args.engine_step_ms:>5g} "
+            f"{row.tokens_per_chunk:>9.2f} {'ok' if row.text_ok else 'LOST':>4} "
+            f"{'+'.join(f'{m:.0f}' for m in row.rss_mb):>7}"
         )
     lines += [
         "vs 1 FE: streamed tokens/s over that of 1 frontend, same workload (mean of its runs).",
@@ -383,8 +456,29 @@ def format_table(args: argparse.Namespace, rows: list[Row]) -> str:
         + "they come in bursts). With echo, TTFT times the echoed prompt.",
         f"CPU%: of one core ({os.cpu_count()} cores) during the timed round: each frontend, "
         + "the engine, this process, other processes. rows/msg: requests per StepOutputs.",
+        "FE us/tok: the frontends' CPU time (utime+stime) per streamed token. TPOT p50 (ms) "
+        + "against the engine's step (ms). tok/chunk: streamed tokens per text chunk (merging). "
+        + "text: every character arrived. RSS: after the run.",
+        f"load average before the run: {args.load_before}; CPU: {cpu_model()}",
     ]
     return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def load_average() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
 
 
 def run(args: argparse.Namespace, log_dir: Path, children: Children) -> list[Row]:
@@ -411,7 +505,9 @@ def run(args: argparse.Namespace, log_dir: Path, children: Children) -> list[Row
     # Every group of frontends (one port each) runs from the start and the groups take turns
     # per workload, so that drift in the machine's other load hits them alike; an idle group
     # costs only its heartbeats.
-    groups = [start_frontends(children, count, address, log_dir) for count in args.frontends]
+    extra = args.frontend_args.split()
+    groups = [start_frontends(children, count, address, log_dir, extra, args.frontend_repo)
+              for count in args.frontends]
     for port, _ in groups:
         warm = bench_config(
             args,
@@ -422,18 +518,21 @@ def run(args: argparse.Namespace, log_dir: Path, children: Children) -> list[Row
             output_len=min(args.output_len, 8),
         )
         asyncio.run(run_benchmark(warm))
+    expected = {w.name: expected_text_chars(bench_config(args, 0, model, w)) for w in workloads}
     rows = []
     for _ in range(args.repeats):
         for workload in workloads:
             for port, frontends in groups:
                 children.check_alive()
-                row = measure(args, port, model, workload, (address, engine_proc), frontends)
+                row = measure(args, port, model, workload, (address, engine_proc), frontends,
+                              expected[workload.name])
                 rows.append(row)
                 s = row.result.summary
                 print(
                     f"  {workload.name:<9} {len(frontends)} frontend(s): "
                     f"{s.duration_s:6.2f} s, {s.request_throughput:7.1f} req/s, "
-                    f"{s.output_throughput:8.0f} tok/s",
+                    f"{s.output_throughput:8.0f} tok/s, {row.cpu_us_per_token:5.1f} us/tok, "
+                    f"TPOT p50 {ms(s.tpot_ms, 2)} ms",
                     flush=True,
                 )
     children.check_alive()
@@ -467,6 +566,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--no-echo-logprobs", action="store_true", help="skip the echo + logprobs 5 workload"
     )
+    parser.add_argument(
+        "--frontend-repo", type=Path, default=REPO,
+        help="run the frontends from this checkout of Tandem (e.g. `git worktree add /tmp/base "
+             "main`), for before/after figures in the same conditions (default: this one)")
+    parser.add_argument(
+        "--frontend-args", default="",
+        help='more flags for every frontend, as one string (e.g. "--stream-interval 2")')
     args = parser.parse_args(argv)
     for name in ("num_prompts", "input_len", "output_len", "max_concurrency", "repeats"):
         if getattr(args, name) < 1:
@@ -480,6 +586,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    args.load_before = load_average()
     # SIGTERM -> SystemExit, so the finally below stops the children.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     log_dir = Path(tempfile.mkdtemp(prefix="tandem-frontend-bench-"))
@@ -491,7 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print(format_table(args, rows))
         print(f"total {time.perf_counter() - started:.0f} s")
-        ok = all(r.result.summary.failed == 0 for r in rows)
+        ok = all(r.result.summary.failed == 0 and r.text_ok for r in rows)
     except ChildFailed as exc:
         print(f"frontend_only: {exc}", file=sys.stderr)
     finally:

@@ -35,6 +35,17 @@ With --faults, every --fault-every-s seconds one fault, in turn:
   (requests then in flight fail with an error, new ones get 503) — expected failures while
   the fault lasts and up to 3 s after SIGCONT; the time until a request succeeds again is
   recorded.
+- `engine-pause-stall`: SIGSTOP the engine for 15 s, longer than the stall floor (10 s) the
+  launcher and the frontends judge a step loop by: failures as for the long pause, and the
+  same engine process must serve again (a paused engine is not a stuck one; the launcher once
+  killed it as stuck on SIGCONT).
+
+The summary's `rss_engine_tail` is the engine's RssAnon (private memory, without mapped files'
+pages, which the kernel drops under memory pressure) over the last 20 minutes (the last two
+thirds of a shorter run): its spread, (max - min) / min, says whether memory levelled off.
+Two series: each window's floor (the least of a reading every second: what the engine keeps
+between its steps' working sets, which a leak lifts) and one reading at each window's end
+(which also holds whatever the step running then allocated: up to ~65 MB on the tiny model).
 """
 
 from __future__ import annotations
@@ -68,9 +79,13 @@ DRAIN_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 120.0
 SHORT_PAUSE_S = 1.0  # within the frontends' liveness bound: nothing may fail
 LONG_PAUSE_S = 5.0  # beyond it: the engine is declared unavailable, then comes back
+STALL_PAUSE_S = 15.0  # beyond the stall floor (shared.transport.DEFAULT_STALL_FLOOR_S, 10 s)
+TAIL_S = 20 * 60.0  # the part of the run whose engine RSS must be flat
+PROBE_S = 1.0  # the engine's RssAnon is read this often (each window keeps its least)
 OUTAGE_GRACE_S = 3.0  # after SIGCONT, failures still counted as the outage's
 OUTAGE_BACKOFF_S = 1.0  # a client's wait after a 503 (the frontends send Retry-After: 1)
-FAULT_KINDS = ("frontend-kill", "engine-pause-short", "engine-pause-long")
+FAULT_KINDS = ("frontend-kill", "engine-pause-short", "engine-pause-long",
+               "engine-pause-stall")
 
 WORDS = ("the cat sat on a mat while seven quiet rivers ran under old stone bridges and "
          "nobody knew why the lamp was still burning at noon").split()
@@ -109,10 +124,13 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """A resident size of `pid` in MB: VmRSS, or RssAnon (its heap and other private memory,
+    without the pages of mapped files such as libtorch's, which the kernel drops and reads
+    again under memory pressure: another process's load moved VmRSS by 240 MB)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     except (OSError, ValueError):
         pass
@@ -163,6 +181,8 @@ class Window:
     failures: list[str] = field(default_factory=list)
     # sampled at the window's end
     rss_engine_mb: float = 0.0
+    anon_engine_mb: float = 0.0  # RssAnon: what a leak would grow
+    anon_floor_mb: float = 0.0  # the window's least RssAnon (read every PROBE_S)
     rss_frontends_mb: list[float] = field(default_factory=list)
     running: float | None = None
     waiting: float | None = None
@@ -437,9 +457,10 @@ async def inject(kind: str, faults: Faults, url: str, model: str, launcher: int,
         entry["replacement_serving_s"] = await until(replaced, 60)
         return entry
     assert engine is not None
-    pause = SHORT_PAUSE_S if kind == "engine-pause-short" else LONG_PAUSE_S
+    pause = {"engine-pause-short": SHORT_PAUSE_S, "engine-pause-long": LONG_PAUSE_S,
+             "engine-pause-stall": STALL_PAUSE_S}[kind]
     outage = [time.monotonic(), float("inf")]
-    if kind == "engine-pause-long":
+    if kind != "engine-pause-short":
         faults.outages.append(outage)
     os.kill(engine, signal.SIGSTOP)
     await asyncio.sleep(pause)
@@ -460,7 +481,24 @@ async def inject(kind: str, faults: Faults, url: str, model: str, launcher: int,
 
     entry["pause_s"] = pause
     entry["serving_again_after_resume_s"] = await until(serves, 60)
+    entry["same_engine"] = server_pids(launcher)[0] == engine
     return entry
+
+
+def rss_tail(windows: list[Window], run_s: float) -> dict[str, float]:
+    """The engine's RssAnon over the run's last TAIL_S (its last two thirds if shorter): the
+    windows' floors (min, max, spread_pct) and the readings at their ends (sample_*)."""
+    seconds = min(TAIL_S, run_s * 2 / 3)
+    tail = [w for w in windows if w.t_end_s >= run_s - seconds]
+    floors = [w.anon_floor_mb for w in tail if w.anon_floor_mb] or [0.0]
+    samples = [w.anon_engine_mb for w in tail] or [0.0]
+
+    def spread(values: list[float]) -> float:
+        return round(100 * (max(values) - min(values)) / min(values), 2) if min(values) else 0.0
+
+    return {"seconds": seconds, "min": min(floors), "max": max(floors),
+            "spread_pct": spread(floors), "sample_min": min(samples),
+            "sample_max": max(samples), "sample_spread_pct": spread(samples)}
 
 
 # --- the run ----------------------------------------------------------------------------
@@ -518,6 +556,14 @@ async def drive(args: argparse.Namespace, url: str, launcher: int) -> dict[str, 
                 load.faults.log.append(entry)
                 print(f"fault: {entry}", flush=True)
 
+        async def memory_probe() -> None:
+            while time.monotonic() < end:
+                w, engine = load.window, server_pids(launcher)[0]
+                mb = round(rss_mb(engine, "RssAnon"), 1) if engine else 0.0
+                if mb and (not w.anon_floor_mb or mb < w.anon_floor_mb):
+                    w.anon_floor_mb = mb
+                await asyncio.sleep(PROBE_S)
+
         async def sampler() -> None:
             while True:
                 await asyncio.sleep(min(args.window_s, max(0.0, end - time.monotonic())))
@@ -528,6 +574,7 @@ async def drive(args: argparse.Namespace, url: str, launcher: int) -> dict[str, 
                 if engine != engine0 or (frontends != frontends0 and not load.faults.killed):
                     restarts.append(f"at {w.t_end_s} s: engine {engine}, frontends {frontends}")
                 w.rss_engine_mb = round(rss_mb(engine), 1) if engine else 0.0
+                w.anon_engine_mb = round(rss_mb(engine, "RssAnon"), 1) if engine else 0.0
                 w.rss_frontends_mb = [round(rss_mb(p), 1) for p in frontends]
                 try:
                     text = await scrape(session, url)
@@ -545,7 +592,7 @@ async def drive(args: argparse.Namespace, url: str, launcher: int) -> dict[str, 
         tasks = [asyncio.create_task(client()) for _ in range(args.concurrency)]
         if args.faults:
             tasks.append(asyncio.create_task(injector()))
-        await asyncio.gather(sampler(), *tasks)
+        await asyncio.gather(sampler(), memory_probe(), *tasks)
         # whatever finished after the last sample (clients finishing their last request)
         tail = load.window
         windows[-1].done += tail.done
@@ -577,7 +624,8 @@ async def drive(args: argparse.Namespace, url: str, launcher: int) -> dict[str, 
 
 
 HEADER = (f"{'t s':>6} {'done':>6} {'fail':>5} {'disc':>5} {'4xx':>4} {'fault':>5} {'ttft50':>7} "
-          f"{'e2e50':>7} {'run':>4} {'wait':>4} {'kv%':>5} {'engMB':>7} {'frontends MB':>16}")
+          f"{'e2e50':>7} {'run':>4} {'wait':>4} {'kv%':>5} {'engMB':>7} {'anonMB':>7} {'floor':>7} "
+          f"{'frontends MB':>16}")
 
 
 def row(w: Window) -> str:
@@ -590,7 +638,8 @@ def row(w: Window) -> str:
             f"{(f'{e2e:.0f}' if e2e is not None else '-'):>7} "
             f"{w.running if w.running is not None else '-':>4} "
             f"{w.waiting if w.waiting is not None else '-':>4} {kv} "
-            f"{w.rss_engine_mb:>7.1f} {' '.join(f'{x:.1f}' for x in w.rss_frontends_mb):>16}")
+            f"{w.rss_engine_mb:>7.1f} {w.anon_engine_mb:>7.1f} {w.anon_floor_mb:>7.1f} "
+            f"{' '.join(f'{x:.1f}' for x in w.rss_frontends_mb):>16}")
 
 
 def main() -> int:
@@ -662,6 +711,7 @@ def main() -> int:
                   for k in ("plain", "stream", "disconnect", "bad", "aux")},
         "rss_engine_mb": {"first": first.rss_engine_mb, "last": last.rss_engine_mb,
                           "max": max(w.rss_engine_mb for w in windows)},
+        "rss_engine_tail": rss_tail(windows, args.minutes * 60),
         "rss_frontends_mb": {"first": fe_first, "last": fe_last, "max": fe_max},
         "ttft_p50_ms": {"first": first.ttft_p50_ms(), "last": last.ttft_p50_ms(),
                         "min": min((w.ttft_p50_ms() or 1e9) for w in windows),
@@ -689,6 +739,8 @@ def main() -> int:
             problems.append(f"frontend {f['frontend']} was not replaced within 60 s")
         if f.get("serving_again_after_resume_s", 0) is None:
             problems.append(f"no request served within 60 s after the {f['kind']} ended")
+        if f.get("same_engine") is False:
+            problems.append(f"the engine was replaced after the {f['kind']} at {f['at_s']} s")
     if result["restarts"]:
         problems.append(f"processes replaced during the soak: {result['restarts']}")
     if proc.returncode not in (0, -signal.SIGTERM):
@@ -702,6 +754,10 @@ def main() -> int:
     r = summary["rss_engine_mb"]
     print(f"  engine RSS MB: first {r['first']}, last {r['last']}, max {r['max']} "
           f"({r['last'] - r['first']:+.1f})")
+    tail = summary["rss_engine_tail"]
+    print(f"  engine RssAnon MB over the last {tail['seconds']:.0f} s: windows' floors "
+          f"{tail['min']}-{tail['max']} (spread {tail['spread_pct']:.2f}%), at the windows' ends "
+          f"{tail['sample_min']}-{tail['sample_max']} (spread {tail['sample_spread_pct']:.2f}%)")
     for i in range(len(fe_first)):
         print(f"  frontend {i} RSS MB: first {fe_first[i]}, "
               f"last {fe_last[i] if i < len(fe_last) else '-'}, max {fe_max[i]}")

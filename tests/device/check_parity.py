@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from engine_core.worker.default_model import ensure_model
 from shared.messages import SamplingParams
-from tests.device.context import Context
+from tests.device.context import Context, check_run
 from tests.engine.driver import Collected, run
 from tests.engine.test_hf_parity import WORDS, make_prompts
 
@@ -45,13 +45,17 @@ def parity_prompts(ctx: Context) -> list[list[int]]:
 
 
 def engine_greedy(ctx: Context, dtype: str, prompts: list[list[int]]) -> dict[str, Collected]:
-    """Every prompt at once, greedy with top-5 logprobs; results by prompt index."""
+    """Every prompt at once, greedy with top-5 logprobs; results by prompt index. The run
+    must be whole: no step error, every request finished with its tokens (`check_run`)."""
     core = ctx.engine(dtype)
+    errors = core.stats().step_errors
     params = SamplingParams(max_tokens=ctx.sizes.parity_new_tokens, temperature=0.0,
                             logprobs=BF16_TOP_K)
     for i, prompt in enumerate(prompts):
         core.add_request(f"{dtype}-{i}", prompt, params)
     results = run(core)
+    check_run(core, results, {f"{dtype}-{i}": params.max_tokens for i in range(len(prompts))},
+              errors)
     return {key.split("-", 1)[1]: value for key, value in results.items()}
 
 

@@ -2,10 +2,13 @@
 decode steps.
 
 Throughput, as tests/bench/engine_throughput.py measures it (all requests added at once, greedy,
-ignore_eos), at the device's dtype: the engine against transformers' own model with a static KV
-cache (`StaticCache`), one batched prefill then one forward + argmax per token, its decode step
-captured once as a CUDA graph and replayed (on the CPU, and whenever the capture fails, the
-same loop run eagerly). Both sides get a warm-up first. The ratio is the figure to compare.
+ignore_eos), at the device's dtype: the engine (with its CUDA graphs, the default; eager,
+--enforce-eager; and with graphs and overlapped steps, --async-scheduling) against
+transformers' own model with a static KV cache (`StaticCache`), one batched prefill then one
+forward + argmax per token, its decode step captured once as a CUDA graph and replayed (on the
+CPU, and whenever the capture fails, the same loop run eagerly). Every side gets a warm-up
+first. The ratio is the figure to compare. For each engine, per decode-only step: the host's
+time before it waits for the device, and the time it waits (`StepClock`).
 
 Profile: `batch` requests prefilled, then decode-only steps timed without the profiler and a
 few under torch.profiler: the GPU's busy time per step (its kernels, and its copies) against
@@ -27,9 +30,10 @@ from torch.profiler import profile as torch_profile
 from transformers import StaticCache
 
 from engine_core.engine import EngineCore
+from engine_core.layers.host_link import Download
 from shared.messages import SamplingParams, StepOutputs
 from tests.bench.engine_throughput import make_prompts
-from tests.device.context import Context
+from tests.device.context import VARIANTS, Context, EngineRunError
 
 DTYPE = "bfloat16"  # the GPU's serving dtype; the dry run runs it too, on the CPU
 TARGET_RATIO = 0.9
@@ -37,12 +41,17 @@ TARGET_RATIO = 0.9
 
 def throughput(ctx: Context) -> dict[str, Any]:
     s = ctx.sizes
-    core = ctx.engine(DTYPE)
-    vocab = core.facts.vocab_size
-    warm = make_prompts(s.batch, s.input_len, vocab, seed=11)
-    prompts = make_prompts(s.batch, s.input_len, vocab, seed=12)  # new to the prefix cache
-    drive(core, warm, 4, "warm")
-    engine = drive(core, prompts, s.output_len, "tp")
+    engines: dict[str, dict[str, Any]] = {}
+    for variant in VARIANTS:
+        core = ctx.engine(DTYPE, variant)
+        vocab = core.facts.vocab_size
+        warm = make_prompts(s.batch, s.input_len, vocab, seed=11)
+        prompts = make_prompts(s.batch, s.input_len, vocab, seed=12)  # new to the prefix cache
+        drive(core, warm, 4, "warm")
+        engines[variant] = drive(core, prompts, s.output_len, "tp")
+        graphs = core.runner.graphs
+        engines[variant]["graph_replays"] = sum(graphs.replays.values()) if graphs else 0
+        ctx.release(DTYPE)  # one engine's KV cache at a time
     model = ctx.hf_model(DTYPE)
     hf_loop(model, warm, 2, graphs=False)  # warm-up
     eager, eager_tokens = hf_loop(model, prompts, s.output_len, graphs=False)
@@ -58,35 +67,89 @@ def throughput(ctx: Context) -> dict[str, Any]:
     # the target is against the graph loop, when its capture ran and replays what eager computes
     graph_ok = baselines.get("hf_static_cuda_graph", {}).get("tokens_match_eager", 0) >= 0.95
     used = "hf_static_cuda_graph" if graph_ok else "hf_static_eager"
-    ratio = engine["tok_s"] / baselines[used]["tok_s"]
+    base = baselines[used]
+    ratios = {v: e["tok_s"] / base["tok_s"] for v, e in engines.items()}
+    engine = engines["graphs"]
     return {"dtype": DTYPE, "batch": s.batch, "input_len": s.input_len,
-            "output_len": s.output_len, "engine": engine, "baselines": baselines,
-            "baseline_used": used, "ratio": ratio,
-            "decode_ratio": engine["decode_tok_s"] / baselines[used]["decode_tok_s"],
-            "passed": ratio >= TARGET_RATIO if graph_ok else None}
+            "output_len": s.output_len, "engine": engine, "engine_eager": engines["eager"],
+            "engine_async": engines["async"], "baselines": baselines, "baseline_used": used,
+            "ratio": ratios["graphs"], "ratio_eager": ratios["eager"],
+            "ratio_async": ratios["async"],
+            "decode_ratio": engine["decode_tok_s"] / base["decode_tok_s"],
+            "passed": max(ratios.values()) >= TARGET_RATIO if graph_ok else None}
+
+
+class StepClock:
+    """Per step of an engine: the host's time until it waits for the device (the download
+    of the step's tokens, `Download.wait`) and the time inside that wait."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+        self._wait = 0.0
+
+    def __enter__(self) -> StepClock:
+        self._real = Download.wait
+        clock = self
+
+        def timed_wait(download: Download) -> Any:
+            start = time.perf_counter()
+            try:
+                return clock._real(download)
+            finally:
+                clock._wait += time.perf_counter() - start
+
+        Download.wait = timed_wait  # type: ignore[method-assign,assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        Download.wait = self._real  # type: ignore[method-assign]
+
+    def step(self, core: EngineCore) -> tuple[dict[bytes, StepOutputs], float, float]:
+        """One engine step: its outputs, host seconds before the wait, seconds waiting."""
+        self._wait = 0.0
+        start = time.perf_counter()
+        outputs = core.step()
+        wall = time.perf_counter() - start
+        return outputs, wall - self._wait, self._wait
 
 
 def drive(core: EngineCore, prompts: list[list[int]], output_len: int,
-          tag: str) -> dict[str, float]:
+          tag: str) -> dict[str, Any]:
     """Run `prompts` to the end; tokens/s over the whole run and over the decode-only part
-    (from the step after which every request had its first token)."""
+    (from the step after which every request had its first token), and the decode steps'
+    median host and wait times. Every request must get its `output_len` tokens and no step
+    may fail (else EngineRunError: the stage fails)."""
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    errors = core.stats().step_errors
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         core.add_request(f"{tag}{i}", prompt, params)
     started: set[str] = set()
     generated = steps = at_decode = 0
     decode_start = None
-    while core.has_work:
-        generated += sampled(core.step(), started if decode_start is None else None)
-        steps += 1
-        if decode_start is None and len(started) == len(prompts):
-            decode_start, at_decode = time.perf_counter(), generated
+    hosts: list[float] = []
+    waits: list[float] = []
+    with StepClock() as clock:
+        while core.has_work:
+            outputs, host, wait = clock.step(core)
+            generated += sampled(outputs, started if decode_start is None else None)
+            steps += 1
+            if decode_start is not None:
+                hosts.append(host)
+                waits.append(wait)
+            if decode_start is None and len(started) == len(prompts):
+                decode_start, at_decode = time.perf_counter(), generated
     end = time.perf_counter()
+    errors = core.stats().step_errors - errors
+    if errors or generated != len(prompts) * output_len:
+        raise EngineRunError(f"{tag}: {generated} of {len(prompts) * output_len} tokens, "
+                             f"{errors} failed step(s)")
     decode_s = end - (decode_start or end)
     return {"steps": steps, "seconds": end - start, "tokens": generated,
             "tok_s": generated / (end - start),
-            "decode_tok_s": (generated - at_decode) / decode_s if decode_s else 0.0}
+            "decode_tok_s": (generated - at_decode) / decode_s if decode_s else 0.0,
+            "decode_host_ms": 1e3 * float(np.median(hosts)) if hosts else 0.0,
+            "decode_wait_ms": 1e3 * float(np.median(waits)) if waits else 0.0}
 
 
 @torch.inference_mode()
@@ -160,14 +223,17 @@ def profile(ctx: Context) -> dict[str, Any]:
     s = ctx.sizes
     core = ctx.engine(DTYPE)
     prompts = make_prompts(s.batch, s.input_len, core.facts.vocab_size, seed=13)
-    params = SamplingParams(max_tokens=s.timed_steps + s.profile_steps + 4, temperature=0.0,
-                            ignore_eos=True)
+    params = SamplingParams(max_tokens=2 * s.timed_steps + s.profile_steps + 4,
+                            temperature=0.0, ignore_eos=True)
+    errors = core.stats().step_errors
     for i, prompt in enumerate(prompts):
         core.add_request(f"prof{i}", prompt, params)
     started: set[str] = set()
     while len(started) < len(prompts):
         sampled(core.step(), started)
     core.step()  # a first decode-only step, untimed
+    with StepClock() as clock:
+        split = [clock.step(core)[1:] for _ in range(s.timed_steps)]
     walls = [_timed_step(core) for _ in range(s.timed_steps)]
     cuda = ctx.device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -175,7 +241,11 @@ def profile(ctx: Context) -> dict[str, Any]:
         profiled = [_timed_step(core) for _ in range(s.profile_steps)]
     while core.has_work:
         core.step()
+    if core.stats().step_errors != errors:
+        raise EngineRunError(f"{core.stats().step_errors - errors} engine step(s) failed")
     figures = step_figures(prof.key_averages(), walls, profiled, s.profile_steps)
+    figures["host_ms"] = 1e3 * float(np.median([h for h, _ in split]))
+    figures["wait_ms"] = 1e3 * float(np.median([w for _, w in split]))
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70)
     header = "\n".join(f"{k}: {v}" for k, v in figures.items())

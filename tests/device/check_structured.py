@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from engine_core.engine import EngineCore
 from shared.messages import SamplingParams, StructuredOutput
-from tests.device.context import Context
+from tests.device.context import Context, check_run
 from tests.engine.driver import Collected, run
 from tests.engine.test_structured import CHOICES, REGEX, SCHEMAS
 
@@ -52,7 +52,9 @@ def structured(ctx: Context) -> dict[str, Any]:
             core.add_request(f"{name}@{temperature}", prompt, SamplingParams(
                 max_tokens=ctx.sizes.structured_new_tokens, temperature=temperature, seed=7,
                 logprobs=TOP, structured=constraint))
+    errors = core.stats().step_errors
     results = run(core)
+    check_run(core, results, {rid: ctx.sizes.structured_new_tokens for rid in results}, errors)
     failures: list[dict[str, Any]] = []
     finished = {"stop": 0, "length": 0}
     for rid, result in results.items():

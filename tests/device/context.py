@@ -1,5 +1,11 @@
-"""What the device check's stages share: the sizes of this run, the model, and the engines and
-Hugging Face models kept between stages (one of each per dtype, released when done)."""
+"""What the device check's stages share: the sizes of this run, the model, the engines and
+Hugging Face models kept between stages (one of each per dtype and variant, released when
+done), and the checks every stage makes of an engine's run (`check_run`).
+
+On the CPU (the dry run) the engines run the CUDA path's code, as far as the CPU can: the
+device sampler, the CUDA attention with its kernels' references, the CUDA-graph runner's
+eager stand-in, overlapped steps in the "async" variant. So the dry run rehearses what the
+GPU will run, not only the CPU's own path."""
 
 from __future__ import annotations
 
@@ -13,7 +19,13 @@ import torch
 
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
+from engine_core.worker.cuda_graphs import capture_sizes
 from engine_core.worker.default_model import TinySpec
+from engine_core.worker.platform import Platform
+from tests.engine.driver import Collected
+
+VARIANTS = ("graphs", "eager", "async")  # CUDA graphs (the default), --enforce-eager, both
+# graphs and --async-scheduling
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,10 @@ class Sizes:
     time_limit_s: float
     threads: int | None = None  # torch threads of the engines (None: torch's choice)
     structured_new_tokens: int = 96  # each constrained request's max_tokens
+    max_model_len: int | None = None  # the in-process engines' (None: the model's)
+    # the kernels stage's (decodes, context) cases
+    # the last: a context that fills neither a block (16) nor a tile (64), for the masking
+    kernel_cases: tuple[tuple[int, int], ...] = ((64, 1024), (1, 32768), (3, 1061))
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -63,14 +79,25 @@ class Context:
             raise RuntimeError("no model: the build stage did not finish")
         return str(self.model_dir)
 
-    def engine(self, dtype: str) -> EngineCore:
-        """The in-process engine for `dtype` ("float32" | "bfloat16"), made on first use."""
-        if dtype not in self.engines:
-            self.engines[dtype] = EngineCore(EngineConfig(
+    def engine(self, dtype: str, variant: str = "graphs") -> EngineCore:
+        """The in-process engine for `dtype` ("float32" | "bfloat16") and `variant` (VARIANTS),
+        made on first use."""
+        key = f"{dtype}/{variant}"
+        if key not in self.engines:
+            config = EngineConfig(
                 model=self.model, dtype=dtype, device=self.device,
                 kv_cache_memory=self.sizes.kv_cache_bytes,
-                max_num_batched_tokens=self.sizes.step_tokens, num_threads=self.sizes.threads))
-        return self.engines[dtype]
+                max_num_batched_tokens=self.sizes.step_tokens, num_threads=self.sizes.threads,
+                max_model_len=self.sizes.max_model_len, enforce_eager=variant == "eager",
+                async_scheduling=variant == "async")
+            platform = Platform.detect(config)
+            if self.device == "cpu":  # rehearse the GPU's code paths (the module docstring)
+                platform = dataclasses.replace(
+                    platform, attention="cuda", device_sampling=True,
+                    cuda_graph_sizes=() if variant == "eager" else capture_sizes(
+                        platform.max_num_seqs, (1, 2, 4, 8, 16)))
+            self.engines[key] = EngineCore(config, platform)
+        return self.engines[key]
 
     def hf_model(self, dtype: str) -> Any:
         """transformers' own model (its default attention) on the same device and dtype."""
@@ -85,7 +112,7 @@ class Context:
     def release(self, dtype: str | None = None) -> None:
         """Drop the engines and models of `dtype` (all when None) and give their memory back."""
         for kept in (self.engines, self.hf_models):
-            for key in [k for k in kept if dtype is None or k == dtype]:
+            for key in [k for k in kept if dtype is None or k.split("/")[0] == dtype]:
                 del kept[key]
         gc.collect()
         if self.device == "cuda":
@@ -94,3 +121,29 @@ class Context:
     def sync(self) -> None:
         if self.device == "cuda":
             torch.cuda.synchronize()
+
+
+class EngineRunError(RuntimeError):
+    """An engine's run went wrong: the stage fails, whatever its figures say."""
+
+
+def check_run(core: EngineCore, results: dict[str, Collected], max_tokens: dict[str, int],
+              errors_before: int = 0, stops: bool = True) -> None:
+    """Every request finished, as "length" with all its tokens (or "stop" with fewer, where
+    `stops`), and no step of the engine failed since `errors_before`: else EngineRunError."""
+    problems = []
+    errors = core.stats().step_errors - errors_before
+    if errors:
+        problems.append(f"{errors} engine step(s) failed (see the log)")
+    for rid, want in max_tokens.items():
+        got = results.get(rid)
+        if got is None:
+            problems.append(f"{rid}: no output at all")
+        elif got.finish == "length" and len(got.token_ids) != want:
+            problems.append(f"{rid}: finished 'length' with {len(got.token_ids)} of {want} tokens")
+        elif got.finish == "stop" and stops and len(got.token_ids) <= want:
+            continue
+        elif got.finish != "length":
+            problems.append(f"{rid}: finished {got.finish!r} ({got.message or ''})")
+    if problems:
+        raise EngineRunError(f"{len(problems)} problem(s): " + "; ".join(problems[:5]))

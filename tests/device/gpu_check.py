@@ -4,12 +4,20 @@
         [--time-limit S] [--serve-args "--flag value ..."] [--tokenizers DIR]
 
 On a GPU: a random-weight model shaped like Llama-3.2-1B with the embedded Llama 3 tokenizer,
-then each stage in turn (STAGES): parity against Hugging Face on the same device (fp32 exact,
+then each stage in turn (STAGES): the attention kernels alone against their references (a
+broken one switches the later stages to its fallback), parity against Hugging Face on the same
+device (fp32 exact,
 bf16 by vLLM's top-5 rule), structured outputs under the device sampler's masks (bf16), the
-engine in-process against a bare static-cache CUDA-graph
-forward loop at batch 64, a profiler table of engine decode steps, and `tandem bench serve`
-against a real `tandem serve`. Without a GPU (or with --dry-run) the same stages run on the
-CPU at a tiny size: the dry run, which tests/device/test_gpu_check_dry_run.py keeps working.
+engine in-process (with CUDA graphs, eager, and overlapped) against a bare static-cache
+CUDA-graph forward loop at batch 64, a profiler table of engine decode steps, and
+`tandem bench serve` against a real `tandem serve`. Without a GPU (or with --dry-run) the same
+stages run on the CPU at a tiny size, through the GPU's code paths where the CPU can run them
+(the device sampler, the CUDA attention with its kernels' references, the graph runner's
+stand-in, the Triton kernels in Triton's interpreter): the dry run, which
+tests/device/test_gpu_check_dry_run.py keeps working.
+
+A stage fails when an engine step failed, a request finished for a wrong reason or without
+all its tokens (context.check_run), whatever its figures say.
 
 A failing stage is recorded (its error and traceback tail) and the next one runs; a global
 time guard skips what would not fit and interrupts a stage that overruns. Figures go to
@@ -35,7 +43,7 @@ from typing import Any
 import torch
 
 from engine_core.worker.default_model import LLAMA32_1B_SHAPE, TinySpec
-from tests.device import check_parity, check_serve, check_speed, check_structured
+from tests.device import check_kernels, check_parity, check_serve, check_speed, check_structured
 from tests.device.context import Context, Sizes
 from tests.device.report import environment, write_report
 
@@ -56,11 +64,12 @@ DRY_SIZES = Sizes(
     spec=TINY_SPEC, parity_prompts=6, parity_new_tokens=6, long_prompts=1, long_prompt_len=100,
     step_tokens=64, kv_cache_bytes=64 << 20, batch=16, input_len=16, output_len=8,
     timed_steps=3, profile_steps=3, serve_concurrency=4, serve_prompts=8, serve_input_len=32,
-    serve_output_len=4, serve_kv_cache_bytes=64 << 20, time_limit_s=150.0, threads=1,
-    structured_new_tokens=32)
+    serve_output_len=4, serve_kv_cache_bytes=64 << 20, time_limit_s=300.0, threads=1,
+    structured_new_tokens=32, max_model_len=512)
 
 STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {
     "build": check_parity.build,
+    "kernels": check_kernels.kernels,
     "parity_fp32": check_parity.parity_fp32,
     "parity_bf16": check_parity.parity_bf16,
     "structured": check_structured.structured,
@@ -84,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stages", default=",".join(STAGES),
                         help=f"comma-separated subset of {','.join(STAGES)} (build always runs)")
     parser.add_argument("--time-limit", type=float, default=None,
-                        help="seconds for the whole run (default: 400 on a GPU, 150 dry)")
+                        help="seconds for the whole run (default: 400 on a GPU, 300 dry)")
     parser.add_argument("--serve-args", default="",
                         help="extra `tandem serve` flags, e.g. \"--gpu-memory-utilization 0.9\"")
     parser.add_argument("--tokenizers", type=Path, default=None,

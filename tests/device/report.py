@@ -109,16 +109,35 @@ def _structured(r: dict[str, Any]) -> str:
             f"({r['constrained_over_free']:.2f}× the speed){_leak(r)}")
 
 
+def _kernels(r: dict[str, Any]) -> str:
+    parts = []
+    for name, record in r["kernels"].items():
+        cases = ", ".join(f"{c['batch']}x{c['context']}: " + (
+            f"{c['ms']:.3f} ms (err {c['max_error']:.1e})" if "ms" in c else "ERROR")
+            for c in record["cases"])
+        parts.append(f"{name} {'ok' if record['ok'] else 'FAILED'} [{cases}]")
+    fallbacks = ", ".join(r["fallbacks"].values())
+    return "; ".join(parts) + (f"; fallbacks for later stages: {fallbacks}" if fallbacks else "")
+
+
 def _throughput(r: dict[str, Any]) -> str:
-    engine, base = r["engine"], r["baselines"][r["baseline_used"]]
-    return (f"batch {r['batch']}, {r['input_len']}+{r['output_len']}: engine "
-            f"{engine['tok_s']:.0f} tok/s ({engine['decode_tok_s']:.0f} decoding) vs "
-            f"{r['baseline_used']} {base['tok_s']:.0f} ({base['decode_tok_s']:.0f}): ratio "
-            f"{r['ratio']:.2f} (≥ 0.9), decode {r['decode_ratio']:.2f}")
+    base = r["baselines"][r["baseline_used"]]
+
+    def one(label: str, e: dict[str, Any], ratio: float) -> str:
+        return (f"{label} {e['tok_s']:.0f} tok/s ({e['decode_tok_s']:.0f} decoding, ratio "
+                f"{ratio:.2f}; per decode step host {e['decode_host_ms']:.2f} ms + wait "
+                f"{e['decode_wait_ms']:.2f} ms)")
+
+    return (f"batch {r['batch']}, {r['input_len']}+{r['output_len']}: "
+            f"{one('engine+graphs', r['engine'], r['ratio'])}, "
+            f"{one('eager', r['engine_eager'], r['ratio_eager'])}, "
+            f"{one('graphs+async', r['engine_async'], r['ratio_async'])} vs "
+            f"{r['baseline_used']} {base['tok_s']:.0f} ({base['decode_tok_s']:.0f}) (≥ 0.9)")
 
 
 def _profile(r: dict[str, Any]) -> str:
-    text = f"decode step {r['wall_ms']:.2f} ms at batch {r['batch']}"
+    text = (f"decode step {r['wall_ms']:.2f} ms at batch {r['batch']} (host "
+            f"{r.get('host_ms', 0):.2f} ms before the wait, {r.get('wait_ms', 0):.2f} ms in it)")
     if "gpu_kernel_ms" in r:
         text += (f", GPU kernels {r['gpu_kernel_ms']:.2f} ms ({r['kernels_per_step']:.0f} "
                  f"launches): {r['outside_gpu_share']:.0%} outside kernels (< 10%)")
@@ -135,7 +154,8 @@ def _serve(r: dict[str, Any]) -> str:
 
 
 _FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
-    "build": _build, "parity_fp32": _fp32, "parity_bf16": _bf16, "structured": _structured,
+    "build": _build, "kernels": _kernels, "parity_fp32": _fp32, "parity_bf16": _bf16,
+    "structured": _structured,
     "throughput": _throughput,
     "profile": _profile, "serve": _serve,
 }

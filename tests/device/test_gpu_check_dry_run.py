@@ -27,7 +27,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, str]:
            "TANDEM_CACHE": str(cache_root())}  # the LM head's compiled kernels, as elsewhere
     done = subprocess.run(["bash", str(ROOT / "tests/device/gpu_check.sh"), "--dry-run",
                            "--cache", str(models)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
+                          text=True, timeout=420, check=False)
     return done.returncode, out, done.stdout + done.stderr
 
 
@@ -37,10 +37,17 @@ def test_every_stage_runs_and_parity_holds(dry_run: tuple[int, Path, str]) -> No
     stages = json.loads((out / "gpu_check.json").read_text())["stages"]
     assert list(stages) == list(STAGES)
     assert all(record["ok"] for record in stages.values()), stages
+    assert stages["kernels"]["passed"] and not stages["kernels"]["fallbacks"]
+    assert set(stages["kernels"]["kernels"]) == {"flash_varlen", "triton_decode", "write_kv"}
     assert stages["parity_fp32"]["passed"] and stages["parity_fp32"]["chunked_prefills"] > 0
     assert stages["parity_bf16"]["passed"]
     assert stages["structured"]["passed"] and stages["structured"]["finished"]["stop"] > 0
-    assert stages["throughput"]["engine"]["tokens"] == DRY_SIZES.batch * DRY_SIZES.output_len
+    throughput = stages["throughput"]
+    for variant in ("engine", "engine_eager", "engine_async"):
+        assert throughput[variant]["tokens"] == DRY_SIZES.batch * DRY_SIZES.output_len
+    # the GPU's code paths rehearsed: graphs (their stand-in) replayed, but not when eager
+    assert throughput["engine_async"]["graph_replays"] > 0
+    assert throughput["engine_eager"]["graph_replays"] == 0
     assert stages["serve"]["completed"] == DRY_SIZES.serve_prompts
     assert stages["serve"]["failed"] == 0
 
@@ -54,3 +61,19 @@ def test_it_leaves_the_files_the_device_run_brings_back(dry_run: tuple[int, Path
     summary = (out / "gpu_check.md").read_text()
     assert "| serve | ok |" in summary and "CPU dry run" in summary
     assert "decode steps at batch" in (out / "profile.txt").read_text()
+
+
+def test_a_module_that_does_not_import_stops_the_run_first(tmp_path: Path) -> None:
+    """Every module the check needs is imported before anything runs: one missing (here
+    xgrammar, shadowed by a broken stand-in) with no wheels to install it from ends the run
+    at once, naming it."""
+    if list((ROOT / ".device/wheels").glob("*.whl")):
+        pytest.skip("carried wheels present: the script would install them")
+    (tmp_path / "xgrammar.py").write_text("raise ImportError('not on this machine')\n")
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(tmp_path),
+           "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(ROOT / "tests/device/gpu_check.sh"), "--dry-run"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "xgrammar" in done.stderr and not (tmp_path / "out").exists()

@@ -49,9 +49,29 @@ def frontend_pid(launcher: int) -> int:
     raise AssertionError("no frontend process under the launcher")
 
 
+def with_pair_merges(model: Path, folder: Path) -> Path:
+    """`model` with its tokenizer.json saved as transformers 5 saves it: merges as pairs,
+    indented (17 MB for Llama 3's vocabulary, against 6.6 MB with merges as strings)."""
+    folder.mkdir()
+    for item in model.iterdir():
+        if item.name != "tokenizer.json":
+            (folder / item.name).symlink_to(item)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    merges = spec["model"]["merges"]
+    spec["model"]["merges"] = [m.split(" ", 1) if isinstance(m, str) else m for m in merges]
+    (folder / "tokenizer.json").write_text(json.dumps(spec, indent=2, ensure_ascii=False))
+    return folder
+
+
 @pytest.mark.timeout(180)
-def test_a_serving_frontend_stays_small_and_torch_free(tiny_llama: Path, tmp_path: Path) -> None:
-    server = Server(tiny_llama, tmp_path).wait_healthy()
+@pytest.mark.parametrize("merges", ["strings", "pairs"])
+def test_a_serving_frontend_stays_small_and_torch_free(
+    tiny_llama: Path, tmp_path: Path, merges: str
+) -> None:
+    """Loading a tokenizer.json with merges as pairs peaks ~100 MB above what it keeps: the
+    frontend gives that back (frontend/memory.py)."""
+    model = tiny_llama if merges == "strings" else with_pair_merges(tiny_llama, tmp_path / "m")
+    server = Server(model, tmp_path).wait_healthy()
     try:
         for _ in range(3):  # every API once, so each code path is loaded
             body = {"model": "m", "prompt": "Hello there", "max_tokens": 8, "echo": True,

@@ -26,7 +26,8 @@ from tests.engine.test_hf_parity import (
     make_prompts,
     submit_and_run,
 )
-from tests.unit.engine_core.layers.test_attention_cuda import reference_decode, reference_varlen
+from tests.unit.engine_core.layers.test_attention_cuda import loop_decode as reference_decode
+from tests.unit.engine_core.layers.test_attention_cuda import reference_varlen
 
 
 def engine(model, sampler: str, **kw) -> EngineCore:
@@ -99,7 +100,7 @@ def test_cuda_attention_wiring_parity(tiny_llama, tokenizer, reference, monkeypa
     preemption (contexts gathered, decodes through their block tables or as varlen chunks)."""
     kernels = attention_cuda.Kernels(reference_varlen,
                                      reference_decode if paged_decode else None)
-    monkeypatch.setattr(attention_cuda, "cuda_kernels", lambda: kernels)
+    monkeypatch.setattr(attention_cuda, "cuda_kernels", lambda *_: kernels)
     config = EngineConfig(model=str(tiny_llama), num_kv_blocks=40, block_size=8,
                           max_num_batched_tokens=48)
     platform = dataclasses.replace(Platform.detect(config), attention="cuda")

@@ -347,3 +347,37 @@ def test_a_token_the_mask_lets_through_but_the_grammar_refuses_is_drawn_again(co
     result = run(core)["r"]
     assert bad not in result.token_ids and result.finish == "stop"
     assert re.fullmatch("[a-z ]{1,5}", text_of(tok, result))
+
+
+THINK_END = 128014  # "</think>", one token of the embedded tokenizer (DeepSeek-R1-Distill's)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, seed=5)])
+def test_a_thinking_request_is_constrained_from_the_token_after_its_end(core, tok, prompt,
+                                                                        sampling):
+    """`reasoning_end`: until the marker the output is the unconstrained one, token for token;
+    forced by logit bias, the marker comes first and then the grammar, as if the prompt had
+    ended with it (greedy: the same tokens), and the JSON is valid and ends (its whitespace
+    bounded), however strongly the bias pulls towards the marker."""
+    schema = SCHEMAS[2]
+    constraint = json_constraint(schema)
+    bias = {THINK_END: 100.0}
+    core.add_request("free", prompt, SamplingParams(max_tokens=24, **sampling))
+    core.add_request("thinking", prompt, SamplingParams(
+        max_tokens=24, structured=constraint, reasoning_end=[THINK_END], **sampling))
+    core.add_request("forced", prompt, SamplingParams(
+        max_tokens=80, logit_bias=bias, structured=constraint, reasoning_end=[THINK_END],
+        **sampling))
+    core.add_request("after", prompt + [THINK_END], SamplingParams(
+        max_tokens=79, logit_bias=bias, structured=constraint, **sampling))
+    results = run(core)
+    assert THINK_END not in results["free"].token_ids
+    assert results["thinking"].token_ids == results["free"].token_ids
+    forced, after = results["forced"], results["after"]
+    assert forced.token_ids[0] == THINK_END and forced.finish == after.finish == "stop"
+    if sampling["temperature"] == 0.0:  # a seeded draw spent one number on the marker
+        assert forced.token_ids[1:] == after.token_ids
+    text = str(tok.decode(forced.token_ids[1:], skip_special_tokens=True))
+    jsonschema.validate(json.loads(text), schema)
+    assert accepted_prefix(core, constraint, forced.token_ids[1:])
+    assert not core.scheduler.requests

@@ -18,6 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from frontend.engine.client import EngineOverloadedError
 from frontend.http_limits import MIN_BODY_BYTES, body_limit
 from frontend.openai.serving import engine_error
+from frontend.openai.sse import SSEWriter
 from frontend.options import add_frontend_args, frontend_argv
 from frontend.server import init_app, parse_args, runner_options
 from tests.unit.fake_engine import FakeEngine, cached_tokenizer, frontend_config, tokenizer_folder
@@ -196,11 +197,13 @@ async def test_a_write_to_a_connection_the_client_closed_ends_the_stream_quietly
     client: Client, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A client gone between two events: aiohttp's write raises "Cannot write to closing
-    transport" (seen in the soak). The stream ends as for a stalled client (its engine requests
-    aborted), and aiohttp logs no "Error handling request"."""
+    """A client gone between two events: its transport is closing, so the direct write is
+    not tried and aiohttp's write raises "Cannot write to closing transport" (seen in the
+    soak). The stream ends as for a stalled client (its engine requests aborted), and aiohttp
+    logs no "Error handling request"."""
     writes = 0
-    original = web.StreamResponse.write
+    original, write_now = web.StreamResponse.write, SSEWriter.write_now
+    can_write_now = SSEWriter.can_write_now
 
     async def closing_after_two(self: web.StreamResponse, data: bytes) -> None:
         nonlocal writes
@@ -209,7 +212,14 @@ async def test_a_write_to_a_connection_the_client_closed_ends_the_stream_quietly
             raise ClientConnectionResetError("Cannot write to closing transport")
         await original(self, data)
 
+    def counted(self: SSEWriter, payloads: list[bytes]) -> None:
+        nonlocal writes
+        writes += 1
+        write_now(self, payloads)
+
     monkeypatch.setattr(web.StreamResponse, "write", closing_after_two)
+    monkeypatch.setattr(SSEWriter, "write_now", counted)
+    monkeypatch.setattr(SSEWriter, "can_write_now", lambda self: writes < 2 and can_write_now(self))
     with caplog.at_level("INFO"):
         resp = await client.post("/v1/completions", headers={"Authorization": "Bearer key"},
                                  json={"prompt": "Hello world", "max_tokens": 500, "n": 2,

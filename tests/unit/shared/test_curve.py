@@ -15,6 +15,7 @@ from shared.curve import (
     ClientKeys,
     CurveKeyError,
     client_keys,
+    open_engine_refusal,
     secure_client,
     secure_server,
     warn_if_open,
@@ -92,3 +93,19 @@ def test_an_open_tcp_address_without_keys_warns(address: str, warns: bool,
     with caplog.at_level(logging.WARNING, logger="shared.curve"):
         warn_if_open(address)
     assert ("--curve-keys" in caplog.text) == warns
+
+
+@pytest.mark.parametrize(("address", "keys", "allowed", "refused"), [
+    ("tcp://0.0.0.0:5570", None, False, True), ("tcp://10.1.2.3:5570", None, False, True),
+    ("tcp://gpu-host:5570", None, False, True), ("tcp://[::]:5570", None, False, True),
+    ("tcp://0.0.0.0:5570", "/keys", False, False), ("tcp://0.0.0.0:5570", None, True, False),
+    ("tcp://127.0.0.1:5570", None, False, False), ("tcp://localhost:5570", None, False, False),
+    ("tcp://[::1]:5570", None, False, False), ("ipc:///tmp/engine.sock", None, False, False)])
+def test_an_open_engine_address_without_keys_is_refused(address: str, keys: str | None,
+                                                        allowed: bool, refused: bool) -> None:
+    refusal = open_engine_refusal(address, keys, allowed)
+    assert (refusal is not None) == refused
+    if refusal is not None:
+        assert address in refusal
+        for way in ("tandem keys DIR", "--curve-keys", "--allow-unauthenticated-engine"):
+            assert way in refusal

@@ -1,6 +1,7 @@
 """The CUDA attention path on the CPU: its plan (which rows go where, cumulative lengths, cache
-slots, block tables), its wiring against the portable path with reference kernels in place of
-FlashAttention, and the Triton decode kernel itself in Triton's interpreter."""
+slots, block-table rows), its wiring against the portable path with reference kernels in place
+of FlashAttention, the Triton kernels themselves (decode, KV write) in Triton's interpreter
+against their references, and their compilation to sm_90 PTX."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine_core.layers import triton_attention
 from engine_core.layers.attention import build_metadata as portable_metadata
 from engine_core.layers.attention import paged_attention
 from engine_core.layers.attention_cuda import (
@@ -24,6 +26,8 @@ from engine_core.layers.attention_cuda import (
     build_metadata,
     cuda_paged_attention,
     plan,
+    reference_decode,
+    sdpa_varlen,
 )
 from engine_core.layers.host_link import HostLink
 
@@ -33,14 +37,17 @@ BS = 4
 STARTS = np.array([5, 0, 4, 0])
 NUM_NEW = np.array([1, 3, 2, 1])
 TABLE = np.array([[7, 2, 0], [3, 0, 0], [5, 9, 0], [4, 0, 0]])
+# the same blocks as rows of a persistent table, in another order, with a spare row
+PERSISTENT = np.array([[0, 0, 0], [5, 9, 0], [4, 0, 0], [7, 2, 0], [3, 0, 0]], dtype=np.int32)
+ROWS = np.array([3, 4, 1, 2])
 
 
 def test_plan_sends_decodes_to_the_kernel_and_chunks_to_one_varlen_call():
-    varlen, decode = plan(STARTS, NUM_NEW, TABLE, BS, paged_decode=True)
+    varlen, decode = plan(STARTS, NUM_NEW, PERSISTENT, ROWS, BS, paged_decode=True)
     assert decode is not None and varlen is not None
     assert decode.rows.tolist() == [0, 6]  # packed rows: [0], [1, 2, 3], [4, 5], [6]
     assert decode.seq_lens.tolist() == [6, 1]
-    assert decode.block_table.tolist() == [[7, 2], [4, 0]]  # two blocks hold 6 tokens
+    assert decode.table_rows.tolist() == [3, 2]  # read in place, never uploaded
     assert varlen.rows.tolist() == [1, 2, 3, 4, 5]
     assert varlen.cu_q.tolist() == [0, 3, 5] and varlen.cu_k.tolist() == [0, 3, 9]
     assert (varlen.max_q, varlen.max_k) == (3, 6)
@@ -49,37 +56,29 @@ def test_plan_sends_decodes_to_the_kernel_and_chunks_to_one_varlen_call():
 
 
 def test_plan_without_the_decode_kernel_or_any_context():
-    varlen, decode = plan(STARTS, NUM_NEW, TABLE, BS, paged_decode=False)
+    varlen, decode = plan(STARTS, NUM_NEW, PERSISTENT, ROWS, BS, paged_decode=False)
     assert decode is None and varlen is not None
     assert varlen.rows.tolist() == list(range(7))
     assert varlen.cu_q.tolist() == [0, 1, 4, 6, 7] and varlen.cu_k.tolist() == [0, 6, 9, 15, 16]
-    fresh, _ = plan(np.array([0, 0]), np.array([2, 3]), TABLE[:2], BS, paged_decode=True)
+    fresh, _ = plan(np.array([0, 0]), np.array([2, 3]), PERSISTENT, ROWS[:2], BS,
+                    paged_decode=True)
     assert fresh is not None and fresh.kv_slots is None  # the step's own K/V serve
     assert fresh.cu_k.tolist() == fresh.cu_q.tolist() == [0, 2, 5]
 
 
 def reference_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Varlen,
                      scale: float) -> torch.Tensor:
-    """FlashAttention's varlen semantics: per chunk, causal aligned to the bottom right."""
-    out = torch.empty_like(q)
-    cq, ck = batch.cu_q.tolist(), batch.cu_k.tolist()
-    for i in range(len(cq) - 1):
-        qs, ks, vs = q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]]
-        nq, nk = len(qs), len(ks)
-        mask = torch.arange(nk)[None, :] <= (nk - nq + torch.arange(nq))[:, None]
-        o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1),
-                                           vs.transpose(0, 1), attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
-        out[cq[i]:cq[i + 1]] = o.transpose(0, 1)
-    return out
+    """FlashAttention's varlen semantics (SDPA chunk by chunk, the float32 CUDA path's)."""
+    return sdpa_varlen(q, k, v, batch, scale)
 
 
-def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     batch: Decode, scale: float, block_size: int) -> torch.Tensor:
+def loop_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                batch: Decode, scale: float, block_size: int) -> torch.Tensor:
+    """The decode spelt out, one sequence at a time: the reference of the references."""
     out = torch.empty_like(q)
-    for i, n in enumerate(batch.seq_lens.tolist()):
+    for i, (row, n) in enumerate(zip(batch.table_rows.tolist(), batch.seq_lens.tolist())):
         pos = torch.arange(n)
-        slots = batch.block_table[i, pos // block_size].long() * block_size + pos % block_size
+        slots = batch.table[row, pos // block_size].long() * block_size + pos % block_size
         o = F.scaled_dot_product_attention(q[i][:, None], k_cache[slots].transpose(0, 1),
                                            v_cache[slots].transpose(0, 1), scale=scale,
                                            enable_gqa=True)
@@ -105,7 +104,9 @@ def run_both(kernels: Kernels) -> None:
                                         torch.device("cpu"))
     want, _ = paged_attention(layer, q, k, v, None, 0.3, tandem_meta=meta)  # type: ignore[arg-type]
     link = HostLink(torch.device("cpu"), pinned=False, synchronize=lambda: None)
-    cmeta, cpositions = build_metadata(STARTS, NUM_NEW, TABLE, BS, caches["b"], link, kernels)
+    cmeta, cpositions = build_metadata(STARTS, NUM_NEW, PERSISTENT, ROWS,
+                                       torch.from_numpy(PERSISTENT), BS, caches["b"], link,
+                                       kernels)
     got, _ = cuda_paged_attention(layer, q, k, v, None, 0.3,  # type: ignore[arg-type]
                                   tandem_meta=cmeta)
     assert cpositions.tolist() == positions.tolist()
@@ -115,19 +116,100 @@ def run_both(kernels: Kernels) -> None:
 
 
 def test_cuda_path_wiring_matches_the_portable_path():
-    run_both(Kernels(reference_varlen, reference_decode))
+    run_both(Kernels(reference_varlen, loop_decode))
+    run_both(Kernels(reference_varlen, reference_decode))  # the graph-safe stand-in
     run_both(Kernels(reference_varlen, None))  # decodes as one-token varlen chunks
 
 
-def test_triton_decode_kernel_in_the_interpreter():
-    """The real decode kernel, jitted as the engine jits it, run by Triton's interpreter on the
-    CPU inside the same step. The interpreter must be on before Triton is first imported, so
-    the check runs in a fresh interpreter."""
+def random_cache(blocks: int, kv_heads: int, dim: int, dtype: torch.dtype = torch.float32,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(blocks * BS, kv_heads, dim, generator=g).to(dtype),
+            torch.randn(blocks * BS, kv_heads, dim, generator=g).to(dtype))
+
+
+def decode_case(lens: list[int], heads: int = 8, kv_heads: int = 2, dim: int = 32,
+                splits: int = 1, dtype: torch.dtype = torch.float32
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Decode]:
+    """Decodes of the given context lengths over shuffled blocks of a random cache, each in a
+    row of a persistent table wider than any needs (rows not in order)."""
+    width = max(-(-n // BS) for n in lens) + 2
+    rng = np.random.default_rng(1)
+    blocks = rng.permutation(len(lens) * width).reshape(len(lens), width).astype(np.int32)
+    table = np.zeros((len(lens) + 3, width), dtype=np.int32)
+    rows = rng.permutation(len(lens) + 3)[:len(lens)]
+    table[rows] = blocks
+    kc, vc = random_cache(len(lens) * width, kv_heads, dim, dtype)
+    q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(2)).to(dtype)
+    batch = Decode(None, torch.from_numpy(table), torch.from_numpy(rows.astype(np.int32)),
+                   torch.tensor(lens, dtype=torch.int32), splits)
+    return q, kc, vc, batch
+
+
+def test_the_graph_safe_decode_matches_the_loop():
+    q, kc, vc, batch = decode_case([1, 5, 16, 37, 64, 100])
+    got = reference_decode(q, kc, vc, batch, 0.2, BS)
+    assert torch.allclose(got, loop_decode(q, kc, vc, batch, 0.2, BS), atol=1e-5)
+
+
+def test_reference_kv_write_puts_k_and_v_in_their_slots():
+    kc, vc = random_cache(4, 2, 8)
+    key = torch.randn(1, 2, 3, 8)[0].transpose(0, 1)  # [T, Hkv, D] as the layer passes it
+    value = torch.randn(1, 2, 3, 8)[0].transpose(0, 1)
+    slots = torch.tensor([9, 2, 14], dtype=torch.int32)
+    triton_attention.write_kv_reference(key, value, kc, vc, slots)
+    assert torch.equal(kc[[9, 2, 14]], key) and torch.equal(vc[[9, 2, 14]], value)
+
+
+INTERPRETED = """
+import torch
+from engine_core.layers import triton_attention as ta
+from engine_core.layers.attention_cuda import reference_decode, triton_decode
+from tests.unit.engine_core.layers.test_attention_cuda import (BS, decode_case, loop_decode,
+    random_cache)
+
+# the decode: every split count, a long context, grouped heads of 4 and 8, head dims 32 and 64
+for lens, heads, kv, dim, splits in (([1, 5, 16, 37, 64, 100], 8, 2, 32, 1),
+                                     ([3, 70, 200], 8, 2, 32, 3),
+                                     ([300], 8, 1, 64, 4), ([129, 2], 4, 1, 64, 16)):
+    q, kc, vc, batch = decode_case(lens, heads, kv, dim, splits)
+    got = triton_decode(q, kc, vc, batch, 0.2, BS)
+    want = loop_decode(q, kc, vc, batch, 0.2, BS)
+    err = (got - want).abs().max().item()
+    assert err < 1e-5, (lens, splits, err)
+    assert torch.allclose(reference_decode(q, kc, vc, batch, 0.2, BS), want, atol=1e-5)
+
+# the KV write: K and V of every head into scattered slots, the layer's strided views
+kc, vc = random_cache(6, 2, 32)
+want_k, want_v = kc.clone(), vc.clone()
+key = torch.randn(1, 2, 5, 32)[0].transpose(0, 1)
+value = torch.randn(1, 2, 5, 32)[0].transpose(0, 1)
+slots = torch.tensor([17, 3, 20, 11, 0], dtype=torch.int32)
+ta.write_kv(key, value, kc, vc, slots)
+ta.write_kv_reference(key, value, want_k, want_v, slots)
+assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+print("interpreted ok")
+"""
+
+
+def test_triton_kernels_in_the_interpreter():
+    """The real kernels, jitted as the engine jits them, run by Triton's interpreter on the
+    CPU in float32 against their references. The interpreter must be on before Triton is
+    first imported, so the check runs in a fresh interpreter."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).parents[4])
+    assert done.returncode == 0 and "interpreted ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_the_wiring_with_the_triton_decode_in_the_interpreter():
     pytest.importorskip("triton")
     script = ("from tests.unit.engine_core.layers.test_attention_cuda import (run_both,\n"
               "    reference_varlen)\n"
-              "from engine_core.layers.attention_cuda import Kernels, triton_paged_decode\n"
-              "run_both(Kernels(reference_varlen, triton_paged_decode))\n")
+              "from engine_core.layers import triton_attention as ta\n"
+              "from engine_core.layers.attention_cuda import Kernels, triton_decode\n"
+              "run_both(Kernels(reference_varlen, triton_decode, ta.write_kv))\n")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300, cwd=Path(__file__).parents[4])
@@ -146,22 +228,46 @@ def test_flash_varlen_call_matches_the_ops_schema():
     assert out.shape == q.shape and out.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_decode_kernel_compiles_for_hopper(dtype: str, monkeypatch: pytest.MonkeyPatch):
-    """Triton compiles the decode kernel for sm_90 (an H100/H200) without a GPU present."""
+PTR = ("out_ptr", "q_ptr", "k_ptr", "v_ptr")
+
+
+def kernel_signatures(dtype: str) -> dict[str, tuple[dict[str, str], dict[str, object]]]:
+    """Each kernel's argument types for `dtype`, and its constexprs as the engine sets them
+    for a Llama-3.2-1B shape (32 heads / 8 KV heads, head dim 64, blocks of 16)."""
+    ints = ["q_tok", "q_head", "kv_slot", "kv_head", "table_row", "o_tok", "o_head"]
+    decode = {**{p: f"*{dtype}" for p in PTR}, "table_ptr": "*i32", "rows_ptr": "*i32",
+              "lens_ptr": "*i32", "po_ptr": "*fp32", "pml_ptr": "*fp32", "scale": "fp32",
+              "num_splits": "i32", **{p: "i32" for p in ints}}
+    write = {**{p: f"*{dtype}" for p in ("k_ptr", "v_ptr", "kc_ptr", "vc_ptr")},
+             "slots_ptr": "*i32", **{p: "i32" for p in ("k_tok", "k_head", "v_tok", "v_head",
+                                                         "c_slot", "c_head")}}
+    combine = {"out_ptr": f"*{dtype}", "po_ptr": "*fp32", "pml_ptr": "*fp32",
+               "num_splits": "i32", "o_tok": "i32", "o_head": "i32"}
+    return {
+        "decode": (decode, {"GROUP": 4, "PAD_G": 16, "BLOCK_SIZE": 16, "HEAD_DIM": 64,
+                            "PAD_D": 64, "TILE": triton_attention.TILE,
+                            "IEEE": dtype == "fp32"}),
+        "kv_write": (write, {"KV_HEADS": 8, "HEAD_DIM": 64, "PAD_H": 8, "PAD_D": 64}),
+        "combine": (combine, {"HEAD_DIM": 64, "PAD_D": 64, "PAD_S": 16}),
+    }
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("name", ["decode", "kv_write", "combine"])
+def test_kernels_compile_for_hopper(dtype: str, name: str, monkeypatch: pytest.MonkeyPatch):
+    """Triton compiles each kernel for sm_90 (an H100/H200) to PTX and, with the ptxas it
+    ships, to a cubin, without a GPU present; the decode's dots are tensor-core MMAs."""
     triton = pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, said out loud
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from engine_core.layers.attention_cuda import decode_kernel
-
-    ints = ["q_tok", "q_head", "kv_slot", "kv_head", "table_row", "o_tok", "o_head"]
-    signature = {**{p: f"*{dtype}" for p in ("out_ptr", "q_ptr", "k_ptr", "v_ptr")},
-                 "table_ptr": "*i32", "lens_ptr": "*i32", "scale": "fp32",
-                 **{p: "i32" for p in ints}}
-    constexprs = {"GROUP": 4, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "PAD_D": 64, "TILE": 64}
-    signature.update({name: "constexpr" for name in constexprs})
-    source = ASTSource(triton.jit(decode_kernel), signature, constexprs)
+    fn, fixed = triton_attention.KERNELS[name]
+    signature, constexprs = kernel_signatures(dtype)[name]
+    signature = {**signature, **{c: "constexpr" for c in constexprs}}
+    source = ASTSource(triton.jit(fn, do_not_specialize=fixed), signature, constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-    assert ".target sm_90" in compiled.asm["ptx"]
+    ptx = compiled.asm["ptx"]
+    assert ".target sm_90" in ptx and compiled.asm.get("cubin")
+    if name == "decode" and dtype != "fp32":
+        assert "mma" in ptx or "wgmma" in ptx  # tl.dot on the tensor cores

@@ -25,6 +25,7 @@ from tests.unit.engine_core.sample.test_sampler import (
     allowed_mask,
     constrained,
     constrained_logits,
+    thinking,
 )
 
 CPU = torch.device("cpu")
@@ -37,9 +38,9 @@ class CountingLink(HostLink):
         super().__init__(CPU, pinned=False, synchronize=lambda: None)
         self.downloads = 0
 
-    def download(self, tensors):  # type: ignore[no-untyped-def]
-        self.downloads += 1
-        return super().download(tensors)
+    def download_later(self, tensors):  # type: ignore[no-untyped-def]
+        self.downloads += 1  # (download() goes through here too)
+        return super().download_later(tensors)
 
 
 def device_sampler(weight: torch.Tensor, seed: int = 0, eos: list[int] | None = None,
@@ -228,3 +229,10 @@ def test_profile_runs_the_costliest_step():
     link = CountingLink()
     device_sampler(weight, link=link).profile(hidden)
     assert link.downloads == 1
+
+
+def test_a_thinking_row_is_not_masked():
+    logits = constrained_logits()
+    reqs = thinking(2, "f+", temperature=0.0)
+    out = device_sampler(logits[:, None].clone())(None, torch.ones(2, 1), reqs)
+    assert out.token_ids.tolist() == [int(logits.argmax())] * 2

@@ -19,7 +19,7 @@ from engine_core.sample.sampler import Sampler, token_logprobs
 from engine_core.sched.request import Request
 from engine_core.structured.grammar import RequestGrammar
 from engine_core.structured.masks import TokenMasker
-from shared.messages import SamplingParams
+from shared.messages import SamplingParams, StructuredOutput
 from tests.unit.engine_core.heads import engine_kernels
 
 PROBS = torch.tensor([0.1, 0.2, 0.3, 0.4])
@@ -320,3 +320,25 @@ def test_read_masks_and_allows_read_the_bitmask():
     assert not read.narrow.valid[1:].any()  # a broad row's tokens are not unpacked
     rows, tokens = [0, 0, 1, 2], [3, 4, 3, 599]
     assert allows(bitmask, rows, tokens).tolist() == [True, False, False, True]
+
+
+def thinking(n: int, regex: str, **params) -> list[Request]:
+    """Constrained requests still thinking: their end marker (token 7) not yet generated."""
+    return constrained(n, regex, structured=StructuredOutput("regex", regex), reasoning_end=[7],
+                       **params)
+
+
+def test_a_thinking_row_draws_unconstrained_on_either_path(monkeypatch):
+    """No mask, no matcher work while thinking (greedy: the raw argmax, which "f+" refuses),
+    on the fast path and on the general one; after the marker, the masked argmax."""
+    monkeypatch.setattr(TokenMasker, "fill", None)  # any mask filled would raise
+    logits = constrained_logits()
+    for bias in ({}, {EOS: 0.0}):
+        reqs = thinking(2, "f+", temperature=0.0, logit_bias=bias)
+        assert sample(logits, reqs).tolist() == [int(logits.argmax())] * 2
+        assert all(r.grammar is not None and not r.grammar.accept(EOS) for r in reqs)  # fresh
+    monkeypatch.undo()
+    reqs = thinking(1, "f+", temperature=0.0)
+    reqs[0].append_token(7)
+    masked = logits.masked_fill(~allowed_mask("f+"), -math.inf)
+    assert sample(logits, reqs).tolist() == [int(masked.argmax())]

@@ -3,11 +3,15 @@ what a step's output does to the requests (progress, stop rules, finishes)."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from typing import Any
+
 from engine_core.sched.block_manager import BlockManager
 from engine_core.sched.request import Request, Status
 from engine_core.sched.scheduler import Scheduler, SchedulerOutput
 from engine_core.sched.stop_rules import Stop, StopRules
-from shared.messages import FinishReason, SamplingParams
+from engine_core.structured.grammar import RequestGrammar
+from shared.messages import FinishReason, SamplingParams, StructuredOutput
 
 EOS = 2
 RULES = StopRules(frozenset({EOS}), max_model_len=1000)
@@ -232,3 +236,24 @@ def test_finish_requests_counts_by_reason_and_ignores_unknown_ids():
     s.finish_requests(["b"], FinishReason.STOP)
     assert s.stats.finished == {FinishReason.ABORT: 1, FinishReason.STOP: 1}
     assert not s.has_work and not s.requests and s.blocks.num_free_blocks == 64
+
+
+
+def test_a_thinking_request_is_masked_from_the_token_after_its_end_marker():
+    """`reasoning_end` [8, 9]: no mask until the output ends with 8, 9 (a lone 8 or 9 is not
+    the marker), then masked for good; without a constraint the marker means nothing."""
+    compiled: Future[Any] = Future()
+    compiled.set_result(None)
+    thinking = req("a", 3, max_tokens=9, reasoning_end=[8, 9],
+                   structured=StructuredOutput("json_object"))
+    thinking.grammar = RequestGrammar(compiled)
+    masked = []
+    for token in (9, 8, 7, 8, 9, 7, 8):
+        masked.append(thinking.masked)
+        thinking.append_token(token)
+    assert masked == [False] * 5 + [True] * 2
+    plain = req("b", 3, reasoning_end=[8, 9])
+    assert not plain.thinking and not plain.masked
+    at_once = req("c", 3, structured=StructuredOutput("json_object"))
+    at_once.grammar = RequestGrammar(compiled)
+    assert at_once.masked

@@ -47,17 +47,18 @@ def test_attention_backend_by_device_dtype_and_variable():
     assert attention_backend(CPU, fp32, {}) == "portable"
     assert attention_backend(CUDA, bf16, {}) == "cuda"
     assert attention_backend(CUDA, torch.float16, {}) == "cuda"
-    assert attention_backend(CUDA, fp32, {}) == "portable"  # FlashAttention has no float32
+    # float32 too: SDPA for its prefill chunks, the Triton kernels for the rest
+    assert attention_backend(CUDA, fp32, {}) == "cuda"
     assert attention_backend(CUDA, bf16, {"TANDEM_ATTENTION": "portable"}) == "portable"
-    for device, dtype in ((CPU, bf16), (CUDA, fp32)):
+    for dtype in (bf16, fp32):
         with pytest.raises(RuntimeError, match="TANDEM_ATTENTION=cuda"):
-            attention_backend(device, dtype, {"TANDEM_ATTENTION": "cuda"})
+            attention_backend(CPU, dtype, {"TANDEM_ATTENTION": "cuda"})
     with pytest.raises(ValueError, match="TANDEM_ATTENTION"):
         attention_backend(CUDA, bf16, {"TANDEM_ATTENTION": "flash"})
     # the CPU's decodes on the compiled kernel: float32, with the kernels built
     assert attention_backend(CPU, fp32, {}, kernels=True) == "native"
     assert attention_backend(CPU, bf16, {}, kernels=True) == "portable"
-    assert attention_backend(CUDA, fp32, {}, kernels=True) == "portable"
+    assert attention_backend(CUDA, fp32, {}, kernels=True) == "cuda"
     assert attention_backend(CPU, fp32, {"TANDEM_ATTENTION": "portable"}, kernels=True) == \
         "portable"
     for device, dtype, built in ((CPU, fp32, False), (CPU, bf16, True), (CUDA, bf16, True)):

@@ -102,8 +102,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("grouping", [{}, {"merge_steps": 2}, {"stream_interval": 4}],
+                         ids=["plain", "merge2", "interval4"])
 @pytest.mark.parametrize("case", CASES)
-async def test_stream_equals_non_stream(client: Client, case: dict[str, Any]) -> None:
+async def test_stream_equals_non_stream(
+    aiohttp_client: Any, engine: FakeEngine, case: dict[str, Any], grouping: dict[str, int]
+) -> None:
+    client = await aiohttp_client(init_app(frontend_config(engine, **grouping), cached_tokenizer))
     whole = await chat(client, **case)
     events = await stream(client, stream_options={"include_usage": True}, **case)
     assert events[-1] == "[DONE]"

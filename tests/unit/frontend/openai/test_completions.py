@@ -93,8 +93,17 @@ CASES = [
 ]
 
 
+# How streamed outputs are grouped: as they come; merged over 2 or 3 engine steps (a stream
+# that fell behind); vLLM's --stream-interval 3.
+GROUPINGS = [{}, {"merge_steps": 2}, {"merge_steps": 3}, {"stream_interval": 3}]
+
+
+@pytest.mark.parametrize("grouping", GROUPINGS, ids=["plain", "merge2", "merge3", "interval3"])
 @pytest.mark.parametrize("case", CASES)
-async def test_stream_equals_non_stream(client: Client, case: dict[str, Any]) -> None:
+async def test_stream_equals_non_stream(
+    make_client: MakeClient, case: dict[str, Any], grouping: dict[str, int]
+) -> None:
+    client = await make_client(**grouping)
     whole = await complete(client, **case)
     events = await stream(client, **case)
     assert events[-1] == "[DONE]"
@@ -262,3 +271,47 @@ async def wait_for(condition: Callable[[], bool], timeout: float = 2.0) -> None:
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("with_logprobs", [False, True])
+@pytest.mark.parametrize("finish", [(None, None), ("stop", "\n"), ("stop", 7), ("length", None)])
+@pytest.mark.parametrize("usage", [None, (3, 4)])
+def test_chunk_template_bytes_are_msgspecs_encoding(
+    with_logprobs: bool, finish: tuple[str | None, str | int | None], usage: tuple[int, int] | None
+) -> None:
+    import msgspec
+
+    from frontend.openai.completions import ChunkTemplate, to_choice
+    from frontend.openai.protocol import CompletionStreamChunk, Usage
+    from frontend.text.output_processor import ChoiceDelta
+
+    delta = ChoiceDelta('a "quoted" \\ 你好 🎉\n', tokens=["a", "bytes:\\xe4"],
+                        token_logprobs=[None, -0.5], top_logprobs=[None, {"x": -0.5, "y": -2.0}],
+                        text_offset=[0, 3], finish_reason=finish[0], stop_reason=finish[1])
+    counts = None if usage is None else Usage.of(*usage)
+    template = ChunkTemplate("cmpl-\u00e9x", 1700000000, 'm"odel', with_logprobs)
+    for index in (0, 3, 0):
+        expected = msgspec.json.encode(CompletionStreamChunk(
+            "cmpl-\u00e9x", 1700000000, 'm"odel', [to_choice(index, [delta], with_logprobs)],
+            counts))
+        assert template.chunk(index, delta, counts) == expected
+
+
+def chunk_tokens(events: list[Any]) -> list[int]:
+    """Tokens per streamed chunk (with logprobs, each token has an entry)."""
+    return [len(c["logprobs"]["tokens"]) for e in events[:-1] for c in e["choices"]]
+
+
+async def test_stream_interval_sends_the_first_token_then_every_n(
+    make_client: MakeClient,
+) -> None:
+    client = await make_client(stream_interval=3)
+    events = await stream(client, prompt="Hello world", max_tokens=8, logprobs=0)
+    assert chunk_tokens(events) == [1, 3, 3, 1]
+
+
+async def test_merged_steps_make_one_chunk_each(make_client: MakeClient) -> None:
+    client = await make_client(merge_steps=2)
+    events = await stream(client, prompt="Hello world", max_tokens=9, logprobs=0)
+    counts = chunk_tokens(events)
+    assert sum(counts) == 9 and all(n >= 2 for n in counts[:-1]), counts

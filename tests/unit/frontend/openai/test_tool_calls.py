@@ -134,13 +134,16 @@ async def both(client: Client, **body: Any) -> dict[str, Any]:
     return {"message": whole["message"], "finish_reason": whole["finish_reason"]}
 
 
-@pytest.fixture(params=["hermes", "llama3_json"])
+# Each parser, streamed as outputs come and merged over 3 engine steps.
+@pytest.fixture(params=[("hermes", 1), ("llama3_json", 1), ("hermes", 3), ("llama3_json", 3)],
+                ids=["hermes", "llama3_json", "hermes-merge3", "llama3_json-merge3"])
 async def auto_client(aiohttp_client: Any, engine: FakeEngine,
                       request: pytest.FixtureRequest) -> Any:
-    config = frontend_config(engine, enable_auto_tool_choice=True,
-                             tool_call_parser=request.param)
+    parser, merge_steps = request.param
+    config = frontend_config(engine, enable_auto_tool_choice=True, tool_call_parser=parser,
+                             merge_steps=merge_steps)
     client = await aiohttp_client(init_app(config, cached_tokenizer))
-    client.parser = request.param
+    client.parser = parser
     return client
 
 

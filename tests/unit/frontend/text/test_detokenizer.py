@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import frontend.text.detokenizer as detokenizer_module
+from frontend.text.byte_pieces import BytePieces
 from frontend.text.detokenizer import IncrementalDetokenizer
 from frontend.text.logprob_text import TokenTextCache, _bytes_to_unicode, bytes_repr
 
@@ -46,17 +47,40 @@ def straddling_ids(tokenizer: Any) -> list[int]:
     )
 
 
-def run(tokenizer: Any, ids: list[int], **kwargs: Any) -> tuple[list[str], str]:
-    detok = IncrementalDetokenizer(tokenizer, **kwargs)
+MODES = ["bytes", "stream", "window"]  # BytePieces, DecodeStream, the decode window
+
+
+def make(tokenizer: Any, mode: str = "stream", **kwargs: Any) -> IncrementalDetokenizer:
+    """The detokenizer on one of its paths."""
+    pieces = BytePieces.of(tokenizer) if mode == "bytes" else None
+    assert pieces is not None or mode != "bytes"
+    return IncrementalDetokenizer(tokenizer, use_decode_stream=mode == "stream", pieces=pieces,
+                                  **kwargs)
+
+
+def token_starts(detok: IncrementalDetokenizer, ids: list[int]) -> list[int]:
+    """Where each token's own text starts in the whole text (`last_token_start` counts from
+    the end of the text returned before the token)."""
+    starts, returned = [], 0
+    for token_id in ids:
+        text = detok.add(token_id)
+        starts.append(returned + detok.last_token_start)
+        returned += len(text)
+    return starts
+
+
+def run(tokenizer: Any, ids: list[int], mode: str = "stream",
+        **kwargs: Any) -> tuple[list[str], str]:
+    detok = make(tokenizer, mode, **kwargs)
     chunks = [detok.add(i) for i in ids]
     return chunks, detok.flush()
 
 
-@pytest.mark.parametrize("use_decode_stream", [True, False])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("text", TEXTS)
-def test_text_equals_decode(byte_bpe_tokenizer: Any, text: str, use_decode_stream: bool) -> None:
+def test_text_equals_decode(byte_bpe_tokenizer: Any, text: str, mode: str) -> None:
     ids = byte_bpe_tokenizer.encode(text, add_special_tokens=False)
-    chunks, tail = run(byte_bpe_tokenizer, ids, use_decode_stream=use_decode_stream)
+    chunks, tail = run(byte_bpe_tokenizer, ids, mode=mode)
     assert "".join(chunks) == text == byte_bpe_tokenizer.decode(ids)
     assert tail == ""
     assert not any("\ufffd" in chunk for chunk in chunks)
@@ -68,86 +92,77 @@ def test_decode_stream_is_the_fast_path(byte_bpe_tokenizer: Any) -> None:
     assert not slow.uses_decode_stream
 
 
-@pytest.mark.parametrize("use_decode_stream", [True, False])
+@pytest.mark.parametrize("mode", MODES)
 def test_partial_character_is_held_until_complete(
-    llama3_tokenizer: Any, use_decode_stream: bool
+    llama3_tokenizer: Any, mode: str
 ) -> None:
     ids = llama3_tokenizer.encode("ab🎉", add_special_tokens=False)
     assert len(ids) >= 3, "the emoji should split over several byte tokens"
-    chunks, tail = run(llama3_tokenizer, ids, use_decode_stream=use_decode_stream)
+    chunks, tail = run(llama3_tokenizer, ids, mode=mode)
     assert chunks[-1].endswith("🎉")
     assert all(chunk == "" for chunk in chunks[-3:-1])
     assert tail == ""
 
 
-@pytest.mark.parametrize("use_decode_stream", [True, False])
+@pytest.mark.parametrize("mode", MODES)
 def test_token_completing_one_character_and_starting_the_next(
-    byte_bpe_tokenizer: Any, use_decode_stream: bool
+    byte_bpe_tokenizer: Any, mode: str
 ) -> None:
     ids = straddling_ids(byte_bpe_tokenizer)
-    detok = IncrementalDetokenizer(byte_bpe_tokenizer, use_decode_stream=use_decode_stream)
-    starts = []
-    for token_id in ids:
-        detok.add(token_id)
-        starts.append(detok.last_token_start)
-    # 다 is complete once the straddling token arrives, but held with the start of 한: the
-    # straddling token's text starts at 0, the next tokens' (pieces of 한) after 다
-    assert starts == [0, 0, 0, 1, 1]
-    assert "".join(run(byte_bpe_tokenizer, ids, use_decode_stream=use_decode_stream)[0]) == "다한"
+    # 다 is complete once the straddling token arrives (the byte path releases it then, the
+    # others hold it with the start of 한): the straddling token's text starts at 0, the next
+    # tokens' (pieces of 한) after 다
+    assert token_starts(make(byte_bpe_tokenizer, mode), ids) == [0, 0, 0, 1, 1]
+    assert "".join(run(byte_bpe_tokenizer, ids, mode=mode)[0]) == "다한"
 
 
-@pytest.mark.parametrize("use_decode_stream", [True, False])
+@pytest.mark.parametrize("mode", MODES)
 def test_incomplete_end_is_flushed_like_decode(
-    llama3_tokenizer: Any, use_decode_stream: bool
+    llama3_tokenizer: Any, mode: str
 ) -> None:
     ids = llama3_tokenizer.encode("ok🎉", add_special_tokens=False)[:-1]  # stops mid-emoji
-    chunks, tail = run(llama3_tokenizer, ids, use_decode_stream=use_decode_stream)
+    chunks, tail = run(llama3_tokenizer, ids, mode=mode)
     assert "".join(chunks) == "ok"
     assert "".join(chunks) + tail == llama3_tokenizer.decode(ids)
     assert tail and set(tail) == {"\ufffd"}
 
 
-@pytest.mark.parametrize("use_decode_stream", [True, False])
+@pytest.mark.parametrize("mode", MODES)
 def test_text_after_invalid_bytes_starts_after_them(
-    llama3_tokenizer: Any, use_decode_stream: bool
+    llama3_tokenizer: Any, mode: str
 ) -> None:
     ok = llama3_tokenizer.encode(" ok", add_special_tokens=False)
     ids = [*byte_ids(llama3_tokenizer, b"\x9c\xf0\x9f"), *ok]
-    detok = IncrementalDetokenizer(llama3_tokenizer, use_decode_stream=use_decode_stream)
-    starts = []
-    for token_id in ids:
-        detok.add(token_id)
-        starts.append(detok.last_token_start)
     # \x9c can never be completed; \xf0\x9f is an emoji's start that " ok" leaves unfinished
-    assert starts == [0, 1, 1, 2]
+    assert token_starts(make(llama3_tokenizer, mode), ids) == [0, 1, 1, 2]
 
 
-@pytest.mark.parametrize("use_decode_stream", [True, False])
+@pytest.mark.parametrize("mode", MODES)
 def test_context_ending_mid_character_does_not_leak(
-    llama3_tokenizer: Any, use_decode_stream: bool
+    llama3_tokenizer: Any, mode: str
 ) -> None:
     ids = llama3_tokenizer.encode("say 🎉 now", add_special_tokens=False)
     cut = next(k for k in range(1, len(ids)) if llama3_tokenizer.decode(ids[:k]).endswith("\ufffd"))
     context, generated = ids[:cut], ids[cut:]
     chunks, tail = run(
-        llama3_tokenizer, generated, context_ids=context, use_decode_stream=use_decode_stream
+        llama3_tokenizer, generated, context_ids=context, mode=mode
     )
     assert "".join(chunks) + tail == llama3_tokenizer.decode(generated)
     assert "🎉" not in "".join(chunks)
 
 
-@pytest.mark.parametrize("use_decode_stream", [True, False])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("skip", [True, False])
 @pytest.mark.parametrize("spaces", [True, False])
 def test_special_tokens_like_decode(
-    llama3_tokenizer: Any, use_decode_stream: bool, skip: bool, spaces: bool
+    llama3_tokenizer: Any, mode: str, skip: bool, spaces: bool
 ) -> None:
     tok = llama3_tokenizer
     ids = [tok.bos_token_id, *tok.encode("Hi", add_special_tokens=False), tok.eos_token_id]
     ids += [*tok.encode(" there 🎉", add_special_tokens=False)[:2], tok.eos_token_id]
     ids += tok.convert_tokens_to_ids(["<think>"]) + tok.encode("x", add_special_tokens=False)
     kwargs = {"skip_special_tokens": skip, "spaces_between_special_tokens": spaces}
-    chunks, tail = run(tok, ids, use_decode_stream=use_decode_stream, **kwargs)
+    chunks, tail = run(tok, ids, mode=mode, **kwargs)
     assert "".join(chunks) + tail == tok.decode(ids, **kwargs)
 
 
@@ -182,9 +197,44 @@ def test_random_sequences_decode_like_decode(
     tok = byte_bpe_tokenizer
     ids = [i for text in texts for i in tok.encode(text, add_special_tokens=False)]
     context, generated = ids[: min(cut, len(ids))], ids[min(cut, len(ids)) :]
-    for use_decode_stream in (True, False):
-        chunks, tail = run(tok, generated, context_ids=context, use_decode_stream=use_decode_stream)
+    for mode in MODES:
+        chunks, tail = run(tok, generated, context_ids=context, mode=mode)
         assert "".join(chunks) + tail == tok.decode(generated, skip_special_tokens=True)
+
+
+# A token: raw bytes (one byte token each), text, or a special / added token by name.
+byte_tokens = st.lists(st.one_of(st.binary(min_size=1, max_size=3),
+                                 st.sampled_from([" ok", "你", "BOS", "EOS", "<think>"])),
+                       max_size=16)
+
+
+def token_ids(tokenizer: Any, tokens: list[bytes | str]) -> list[int]:
+    named = {"BOS": tokenizer.bos_token_id, "EOS": tokenizer.eos_token_id,
+             "<think>": tokenizer.convert_tokens_to_ids("<think>")}
+    ids: list[int] = []
+    for t in tokens:
+        if isinstance(t, bytes):
+            ids += byte_ids(tokenizer, t)
+        elif t in named:
+            ids.append(int(named[t]))
+        else:
+            ids += tokenizer.encode(t, add_special_tokens=False)
+    return ids
+
+
+@settings(max_examples=150, deadline=None)
+@given(tokens=byte_tokens, skip=st.booleans())
+@example(tokens=[b"\xed\xa0", b"\x80", b"\xf0\x9f", b"A", b"\xf4\x90\x80\x80"], skip=True)
+@example(tokens=[b"\xe4", "BOS", b"\xbd\xa0", "<think>", b"\xc3"], skip=True)
+def test_any_bytes_decode_like_decode(llama3_tokenizer: Any, tokens: list[bytes | str],
+                                      skip: bool) -> None:
+    """Invalid UTF-8 of every kind (lone continuation bytes, surrogates, cut sequences, bytes
+    past U+10FFFF) and special tokens: every path gives the Rust decode's text."""
+    ids = token_ids(llama3_tokenizer, tokens)
+    expected = llama3_tokenizer.decode(ids, skip_special_tokens=skip)
+    for mode in MODES:
+        chunks, tail = run(llama3_tokenizer, ids, mode=mode, skip_special_tokens=skip)
+        assert "".join(chunks) + tail == expected, mode
 
 
 def test_sentencepiece_continuation_keeps_its_space() -> None:
@@ -196,10 +246,11 @@ def test_sentencepiece_continuation_keeps_its_space() -> None:
     backend.decoder = decoders.Metaspace(prepend_scheme="first")
     tok = PreTrainedTokenizerFast(tokenizer_object=backend)
     assert tok.decode([1, 2, 3]) == "Hello world!" and tok.decode([2, 3]) == "world!"
-    for use_decode_stream in (True, False):
-        chunks, _ = run(tok, [2, 3], context_ids=[1], use_decode_stream=use_decode_stream)
+    assert BytePieces.of(tok) is None  # not byte-level
+    for mode in ("stream", "window"):
+        chunks, _ = run(tok, [2, 3], context_ids=[1], mode=mode)
         assert "".join(chunks) == " world!"
-        assert "".join(run(tok, [2, 3], use_decode_stream=use_decode_stream)[0]) == "world!"
+        assert "".join(run(tok, [2, 3], mode=mode)[0]) == "world!"
 
 
 # ---- logprob token strings -------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from frontend.text.byte_pieces import BytePieces
 from frontend.text.output_processor import (
     ChoiceDelta,
     ChoiceProcessor,
@@ -49,9 +50,10 @@ def run_choice(
     finish: str = "length",
     stop_token_id: int | None = None,
     idle_before: frozenset[int] = frozenset(),
+    pieces: BytePieces | None = None,
 ) -> tuple[ChoiceProcessor, list[ChoiceDelta]]:
     """Feed one choice as the engine would; `idle_before` adds token-less steps."""
-    proc = ChoiceProcessor(tokenizer, list(prompt_ids), options)
+    proc = ChoiceProcessor(tokenizer, list(prompt_ids), options, pieces=pieces)
     k = options.logprobs or 0
     deltas = [proc.prompt(fake_prompt_view(prompt_ids, k) if options.echo else None)]
     for i, token_id in enumerate(generated):
@@ -71,6 +73,34 @@ def run_choice(
     if not generated:
         deltas.append(proc.step(None, None, finish))
     return proc, deltas
+
+
+def run_merged(
+    tokenizer: Any,
+    prompt_ids: Sequence[int],
+    generated: Sequence[int],
+    options: OutputOptions,
+    cuts: frozenset[int],
+    *,
+    finish: str = "length",
+    pieces: BytePieces | None = None,
+) -> list[ChoiceDelta]:
+    """The same choice fed as a stream that fell behind does it: several steps (the prompt
+    with the first) and one delta, taken only after the steps in `cuts` (and at the end)."""
+    proc = ChoiceProcessor(tokenizer, list(prompt_ids), options, pieces=pieces)
+    k = options.logprobs or 0
+    proc.feed_prompt(fake_prompt_view(prompt_ids, k) if options.echo else None)
+    deltas = []
+    for i, token_id in enumerate(generated):
+        last = i == len(generated) - 1
+        proc.feed(token_id, fake_logprob(token_id, i, k), finish if last else None)
+        if i in cuts or last:
+            deltas.append(proc.delta())
+    if not generated:
+        proc.feed(None, None, finish)
+    deltas.append(proc.delta())
+    assert not proc.delta().finish_reason  # the finish goes out once
+    return deltas
 
 
 def assert_offsets_contract(
@@ -362,6 +392,14 @@ def test_random_sequences(
     _, grouped = run_choice(tok, prompt, generated, options, finish=finish, idle_before=idle)
     out = merge_deltas(deltas)
     assert merge_deltas(grouped) == out  # grouping of steps does not matter
+    pieces = BytePieces.of(tok)
+    assert pieces is not None
+    _, byte_path = run_choice(tok, prompt, generated, options, finish=finish, pieces=pieces)
+    assert merge_deltas(byte_path) == out  # nor the detokenizer's path
+    for path in (None, pieces):  # nor a consumer that fell behind: merged steps, one delta
+        merged = run_merged(tok, prompt, generated, options, idle, finish=finish, pieces=path)
+        assert merge_deltas(merged) == out
+        assert_stream_shape([d for d in merged if not d.is_empty] or merged[-1:])
     prompt_text_out = tok.decode(prompt, skip_special_tokens=True) if echo else ""
     generated_text = tok.decode(generated, skip_special_tokens=True)
     if stop and stop in generated_text:
@@ -378,3 +416,12 @@ def test_random_sequences(
         out.text, out.tokens, out.text_offset, echo=echo, skip=specials, cut=True
     )
     assert_stream_shape(deltas)
+    # Without logprobs nor generated tokens kept (the cheapest path), the same text, merged or
+    # not, on either detokenizer path.
+    bare = OutputOptions(echo=echo, stop=options.stop, generated_tokens=False)
+    for path in (None, pieces):
+        for cuts in (frozenset(range(len(generated))), idle):
+            bare_out = merge_deltas(run_merged(tok, prompt, generated, bare, cuts, finish=finish,
+                                               pieces=path))
+            assert (bare_out.text, bare_out.finish_reason) == (out.text, out.finish_reason)
+            assert bare_out.generated == bare_out.tokens == []

@@ -1,0 +1,214 @@
+"""The GPU decode step's pieces that the CPU can check, in a whole engine:
+
+- the CUDA-graph runner through its eager stand-in (ladder, padding, dummy rows, persistent
+  buffers): the same tokens and logprobs as the eager path, Hugging Face's, every size used;
+- the graph-captured decode forward issues no host sync and no operation whose output shape
+  depends on the data (its ops recorded with a TorchDispatchMode);
+- the Triton kernels get one specialization each, whatever the steps' shapes (Triton's own
+  specialization rule, for sm_90, applied to every launch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import engine_core.layers.attention_cuda as attention_cuda
+from engine_core.config import EngineConfig
+from engine_core.engine import EngineCore
+from engine_core.layers import triton_attention
+from engine_core.worker.cuda_graphs import capture_sizes
+from engine_core.worker.platform import Platform
+from shared.messages import SamplingParams
+from tests.engine.driver import Collected, run
+from tests.engine.test_hf_parity import MAX_NEW, assert_drained, assert_parity, make_prompts
+
+REFERENCE_KERNELS = attention_cuda.Kernels(attention_cuda.sdpa_varlen,
+                                           attention_cuda.reference_decode,
+                                           triton_attention.write_kv_reference)
+
+
+def cuda_path_engine(model: Any, monkeypatch: pytest.MonkeyPatch, graphs: bool,
+                     kernels: attention_cuda.Kernels = REFERENCE_KERNELS,
+                     **kw: Any) -> EngineCore:
+    """An engine on the CUDA path's code on the CPU: its attention (reference kernels), the
+    device sampler and, with `graphs`, the graph runner's stand-in."""
+    monkeypatch.setattr(attention_cuda, "cuda_kernels", lambda *_: kernels)
+    config = EngineConfig(model=str(model), **{"num_kv_blocks": 64, "block_size": 8,
+                                               "max_num_seqs": 16, **kw})
+    platform = dataclasses.replace(
+        Platform.detect(config, environ={"TANDEM_SAMPLER": "device"}), attention="cuda",
+        cuda_graph_sizes=capture_sizes(16) if graphs else ())
+    return EngineCore(config, platform)
+
+
+def staggered(core: EngineCore, prompts: list[list[int]], logprobs: int | None = 3
+              ) -> dict[str, Collected]:
+    """Greedy requests ending at different steps, so that decode batches shrink through the
+    ladder's sizes; a few added mid-run (prefill steps among the decodes)."""
+    late = prompts[-3:]
+    for i, p in enumerate(prompts[:-3]):
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=3 + 2 * i, temperature=0.0,
+                                                    logprobs=logprobs, ignore_eos=True))
+
+    def add_late(engine: EngineCore, steps: int) -> None:
+        if steps == 4:
+            for j, p in enumerate(late):
+                engine.add_request(f"late{j}", p, SamplingParams(max_tokens=6, temperature=0.0,
+                                                                 logprobs=logprobs))
+
+    return run(core, on_step=add_late)
+
+
+def test_graph_stand_in_matches_the_eager_path(tiny_llama, tokenizer, monkeypatch):
+    prompts = make_prompts(tokenizer, n=14)
+    eager = staggered(cuda_path_engine(tiny_llama, monkeypatch, graphs=False), prompts)
+    core = cuda_path_engine(tiny_llama, monkeypatch, graphs=True)
+    graphed = staggered(core, prompts)
+    assert core.runner.graphs is not None
+    replays = core.runner.graphs.replays
+    assert {8, 4, 2, 1} <= {size for size, n in replays.items() if n}, replays
+    assert sum(replays.values()) < core.counts.steps  # prefill steps ran eagerly
+    assert graphed.keys() == eager.keys()
+    for rid, want in eager.items():
+        got = graphed[rid]
+        assert got.token_ids == want.token_ids, rid
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5), rid
+        assert got.finish == want.finish
+    assert_drained(core)
+
+
+def test_graph_stand_in_parity_with_hf_under_preemption(tiny_llama, tokenizer, reference,
+                                                        monkeypatch):
+    """Preempted requests lose their block-table rows and get new ones; padded rows write
+    only the dummy block: Hugging Face's tokens all the same."""
+    core = cuda_path_engine(tiny_llama, monkeypatch, graphs=True, num_kv_blocks=14)
+    prompts = make_prompts(tokenizer, n=10)
+    for i, p in enumerate(prompts):
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
+                                                    logprobs=5))
+    results = run(core)
+    assert core.stats().preemptions > 0
+    assert sum(core.runner.graphs.replays.values()) > 0  # type: ignore[union-attr]
+    assert_parity(results, prompts, reference)
+    assert_drained(core)
+
+
+# -- no host sync in the captured forward --------------------------------------------------
+SYNCING = ("_local_scalar_dense", "nonzero", "item", "is_nonzero", "masked_select",
+           "unique", "equal", "allclose", "to_list")
+
+
+class OpRecorder(TorchDispatchMode):
+    """Every aten op run, by name. On CUDA a host sync is a `_local_scalar_dense` (`.item()`,
+    `int()`, `bool()` of a tensor), an op whose output is shaped by the data (`nonzero`,
+    `masked_select`, `unique`), or a copy to the host (which the graph's forward never makes:
+    it has no host tensor to copy to, and `to_list` would show)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        self.ops[func._schema.name.removeprefix("aten::")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_captured_decode_forward_never_syncs(tiny_llama, monkeypatch):
+    core = cuda_path_engine(tiny_llama, monkeypatch, graphs=True)
+    graphs = core.runner.graphs
+    assert graphs is not None and graphs.graphs
+    recorder = OpRecorder()
+    fn = graphs._bound(8)  # what the capture of the size-8 graph runs
+    with torch.inference_mode(), recorder:
+        hidden = fn()
+    assert hidden.shape == (8, core.runner.model.config.hidden_size)
+    syncing = {op: n for op, n in recorder.ops.items() if any(s in op for s in SYNCING)}
+    assert not syncing, f"host syncs or data-shaped ops in the graph: {syncing}"
+    assert "embedding" in recorder.ops and len(recorder.ops) > 20, recorder.ops
+
+
+def test_a_step_with_a_host_sync_is_caught(tiny_llama, monkeypatch):
+    """The recorder sees what the no-sync test forbids: a forward whose attention reads a
+    length on the host."""
+    def syncing_decode(q: torch.Tensor, *args: Any) -> torch.Tensor:
+        int(args[2].seq_lens.max())  # what the eager metadata does once per step
+        return attention_cuda.reference_decode(q, *args)
+
+    kernels = REFERENCE_KERNELS._replace(decode=syncing_decode)
+    core = cuda_path_engine(tiny_llama, monkeypatch, graphs=True, kernels=kernels)
+    assert core.runner.graphs is not None
+    recorder = OpRecorder()
+    with torch.inference_mode(), recorder:
+        core.runner.graphs._bound(4)()
+    assert recorder.ops["_local_scalar_dense"] > 0 or recorder.ops["max"] > 0
+    assert any(s in op for op in recorder.ops for s in SYNCING)
+
+
+# -- Triton's specializations ----------------------------------------------------------------
+class SpecializationRecorder:
+    """Stands in for a jitted kernel: computes the cache key Triton would compile under for
+    sm_90 (its own binder: dtypes, 16-byte alignment, integers equal to 1 or divisible by
+    16, constexprs) for every launch, then runs `reference` for the outputs."""
+
+    def __init__(self, name: str, reference: Callable[..., None]) -> None:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        from triton.runtime.jit import create_function_from_signature
+
+        triton = pytest.importorskip("triton")
+        fn, fixed = triton_attention.KERNELS[name]
+        jitted = triton.jit(fn, do_not_specialize=fixed)
+        backend = make_backend(GPUTarget("cuda", 90, 32))
+        self.binder = create_function_from_signature(jitted.signature, jitted.params, backend)
+        self.keys: Counter[str] = Counter()
+        self.reference = reference
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            _, specialization, _ = self.binder(*args, **kwargs)
+            self.keys[str(specialization)] += 1
+            self.reference(*args, **kwargs)
+        return launch
+
+
+def test_no_kernel_compiles_again_once_serving(tiny_llama, tokenizer, monkeypatch):
+    """Steps of every shape (prefill chunks, decode batches of many sizes, graphs and eager,
+    one split and several): each kernel is specialized once."""
+    pytest.importorskip("triton")
+    outputs: dict[str, Any] = {}
+
+    def decode_ref(out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                   table: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, *args: Any,
+                   **kw: Any) -> None:
+        out.copy_(triton_attention.paged_decode_reference(q, kc, vc, table, rows, lens,
+                                                          args[2], kw["BLOCK_SIZE"]))
+        outputs["decode"] = out
+
+    def combine_ref(out: torch.Tensor, *args: Any, **kw: Any) -> None:
+        pass  # the decode reference wrote the whole result
+
+    def write_ref(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                  slots: torch.Tensor, *args: Any, **kw: Any) -> None:
+        triton_attention.write_kv_reference(k, v, kc, vc, slots)
+
+    recorders = {"decode": SpecializationRecorder("decode", decode_ref),
+                 "combine": SpecializationRecorder("combine", combine_ref),
+                 "kv_write": SpecializationRecorder("kv_write", write_ref)}
+    monkeypatch.setattr(triton_attention, "_jitted", lambda name: recorders[name])
+    monkeypatch.setattr(triton_attention, "available", lambda: True)
+    kernels = attention_cuda.Kernels(attention_cuda.sdpa_varlen, attention_cuda.triton_decode,
+                                     triton_attention.write_kv)
+    core = cuda_path_engine(tiny_llama, monkeypatch, graphs=True, kernels=kernels,
+                            max_num_batched_tokens=40)
+    staggered(core, make_prompts(tokenizer, n=14))
+    assert sum(recorders["decode"].keys.values()) > 20
+    for name, recorder in recorders.items():
+        assert len(recorder.keys) <= 1, (name, list(recorder.keys))
