@@ -131,8 +131,9 @@ def check_frontend_args(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error("--max-request-body-bytes must be positive")
     if min(args.http_read_timeout, args.http_write_timeout) <= 0:
         parser.error("--http-read-timeout and --http-write-timeout must be positive")
-    if min(args.stream_interval, args.merge_steps) < 1:
-        parser.error("--stream-interval must be at least 1")
+    for flag in ("--stream-interval", "--merge-steps"):
+        if getattr(args, flag[2:].replace("-", "_")) < 1:
+            parser.error(f"{flag} must be at least 1")
 
 
 def frontend_argv(args: argparse.Namespace) -> list[str]:

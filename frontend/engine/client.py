@@ -39,6 +39,9 @@ from shared.transport import (
 )
 
 logger = logging.getLogger(__name__)
+# Engine frames routed in one go before the loop lets the streams' consumers and the HTTP
+# handlers run (waiting frames are routed first so that a lagging stream merges them).
+MAX_DRAIN = 256
 
 
 class EngineUnavailableError(RuntimeError):
@@ -236,12 +239,17 @@ class EngineClient:
         nowait: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
         while True:
             self._handle(await self._sock.recv())
+            routed = 1
             while cast(int, nowait.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 try:
                     frame = nowait.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 self._handle(frame)
+                routed += 1
+                if routed >= MAX_DRAIN:  # let the consumers and handlers run now and then
+                    await asyncio.sleep(0)
+                    routed = 0
 
     def _handle(self, frame: bytes) -> None:
         msg = self._decode(frame)

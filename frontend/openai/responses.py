@@ -58,6 +58,8 @@ from frontend.openai.responses_output import OutputItems, new_id
 from frontend.openai.responses_store import ResponseStore
 from frontend.openai.served_model import ServedModel
 from frontend.openai.serving import (
+    NO_GROUPING,
+    STREAMING,
     ChoiceRun,
     EngineRequestError,
     collect_choices,
@@ -170,7 +172,7 @@ class ServingResponses:
             await sse.send(event, event.type)
 
         out = self._items(rp)
-        run = ChoiceRun(self.client, rp.plan.choices)
+        run = ChoiceRun(self.client, rp.plan.choices, request.app.get(STREAMING, NO_GROUPING))
         try:
             try:
                 run.start()

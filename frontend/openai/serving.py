@@ -178,9 +178,11 @@ class ChoiceRun:
                 or self._choices[index].processor.finished)
 
     def _take_delta(self, index: int) -> ChoiceDelta:
-        self._sent[index] = True
+        delta = self._choices[index].processor.delta()
+        if delta.text:  # (a first token that only starts a character shows nothing yet)
+            self._sent[index] = True
         self._held[index] = 0
-        return self._choices[index].processor.delta()
+        return delta
 
     def _rest(self) -> list[ChoiceOutput]:
         """At the end: what a stream interval still held (choices aborted unfinished)."""

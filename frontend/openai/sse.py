@@ -115,7 +115,9 @@ class SSEWriter:
             self._watchdog = self._loop.call_later(self.write_timeout, self._check)
             await self._guarded(self.response.prepare(self.request))
             self._chunked = self.response.headers.get("Transfer-Encoding") == "chunked"
-            self._transport = self.request.transport
+            # write_now frames bare or chunked bytes: never into a compressed or sized body
+            if not self.response.compression and self.response.content_length is None:
+                self._transport = self.request.transport
         await self._guarded(self.response.write(data))
 
     async def _guarded(self, write: Awaitable[Any]) -> None:

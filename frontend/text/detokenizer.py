@@ -101,7 +101,7 @@ class IncrementalDetokenizer:
             pending = self._utf8.getstate()[0]
             self._held_text = pending.decode("utf-8", "replace") if pending else ""
             self.last_token_start = (
-                _shared_prefix(held_before, _stable(text or self._held_text)) if held_before else 0)
+                _shared_prefix(held_before, _stable(text + self._held_text)) if held_before else 0)
             return text
         self._ids.append(token_id)
         if not held_before and self._stream is not None:  # the common case, kept short

@@ -138,6 +138,18 @@ def test_text_after_invalid_bytes_starts_after_them(
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_lead_byte_cut_by_another_keeps_its_own_replacement(
+    llama3_tokenizer: Any, mode: str
+) -> None:
+    # \xe4 starts a 3-byte character; the next \xe4 makes the first a final U+FFFD and starts
+    # one of its own: decode gives "\ufffd\ufffd🎉", one character per token
+    emoji = llama3_tokenizer.encode("🎉", add_special_tokens=False)
+    ids = [*byte_ids(llama3_tokenizer, b"\xe4\xe4"), *emoji]
+    assert llama3_tokenizer.decode(ids) == "\ufffd\ufffd🎉"
+    assert token_starts(make(llama3_tokenizer, mode), ids)[:3] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_context_ending_mid_character_does_not_leak(
     llama3_tokenizer: Any, mode: str
 ) -> None:
