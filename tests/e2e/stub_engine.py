@@ -32,6 +32,11 @@ class _Req:
 class _Scheduler:
     def __init__(self) -> None:
         self.requests: dict[str, _Req] = {}
+        self.waiting: list[_Req] = []  # the queue's lengths, which ping answers carry
+
+    @property
+    def running(self) -> list[_Req]:
+        return list(self.requests.values())
 
 
 class StubCore:

@@ -21,7 +21,8 @@ from shared.transport import DEFAULT_STALL_FLOOR_S
 from tests.e2e.server import Server
 from tests.e2e.test_launcher import alive, children_of, stream_text
 
-PAUSE_S = DEFAULT_STALL_FLOOR_S + 3.0
+# past the stall floor; TANDEM_PAUSE_S=30 pytest -s tests/e2e/test_pause.py tries a longer one
+PAUSE_S = float(os.environ.get("TANDEM_PAUSE_S", DEFAULT_STALL_FLOOR_S + 3.0))
 
 
 async def _health_within(session: aiohttp.ClientSession, url: str, seconds: float) -> float:
@@ -72,7 +73,7 @@ async def test_a_paused_engine_resumes_serving_and_is_not_killed(tiny_llama, tmp
             while await _running(session, srv.url) and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             assert await _running(session, srv.url) == 0, "requests from before still run"
-        print(f"/health 200 {took:.2f} s after SIGCONT; "
+        print(f"paused {PAUSE_S:g} s: /health 200 {took:.2f} s after SIGCONT; "
               f"{sum(bool(e) for _, e, _ in results)} of 8 streams ended with an error event")
     finally:
         srv.stop()
