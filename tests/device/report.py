@@ -30,7 +30,8 @@ def environment(ctx: Context) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "commit": _commit(),
     }
-    for package in ("transformers", "triton", "tokenizers", "msgspec", "pyzmq", "aiohttp"):
+    for package in ("transformers", "triton", "tokenizers", "msgspec", "pyzmq", "xxhash",
+                    "aiohttp"):
         try:
             env[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
