@@ -303,6 +303,8 @@ class EngineGroup:
         again its feed relearns its blocks (the replay buffer's, or none: a new engine)."""
         while True:
             await asyncio.sleep(WATCH_S)
+            if self._single:  # the client says it (nothing to route elsewhere, no index)
+                continue
             for e in self._engines:
                 serving = e.serving
                 if serving == e.was_healthy:

@@ -26,9 +26,10 @@ child of it is left. Exit status 1 on any unexpected error, leak, restart or orp
 With --faults, every --fault-every-s seconds one fault, in turn:
 - `frontend-kill`: SIGKILL one frontend. Its requests in flight may be cut (counted, not
   failures); a request that fails to connect, or is cut before any answer came (a request
-  sent on a pooled connection to the dead frontend), is sent again once, as the OpenAI SDK
-  does; every other request must succeed. The launcher must start a replacement (the time
-  until it serves is recorded) and the engine must abort the dead frontend's requests.
+  sent on a pooled connection to the dead frontend) within a minute of a kill, is sent again,
+  up to twice, as the OpenAI SDK does; every other request must succeed. The launcher must
+  start a replacement (the time until it serves is recorded) and the engine must abort the
+  dead frontend's requests.
 - `engine-pause-short`: SIGSTOP the engine for 1 s (within the frontends' liveness bound,
   1.25 s of silence): nothing may fail.
 - `engine-pause-long`: SIGSTOP the engine for 5 s: the frontends declare it unavailable
@@ -43,9 +44,10 @@ With --faults, every --fault-every-s seconds one fault, in turn:
 The summary's `rss_engine_tail` is the engine's RssAnon (private memory, without mapped files'
 pages, which the kernel drops under memory pressure) over the last 20 minutes (the last two
 thirds of a shorter run): its spread, (max - min) / min, says whether memory levelled off.
-Two series: each window's floor (the least of a reading every second: what the engine keeps
-between its steps' working sets, which a leak lifts) and one reading at each window's end
-(which also holds whatever the step running then allocated: up to ~65 MB on the tiny model).
+Three series: each window's median and floor of a reading every second (the floor: what the
+engine keeps beside the smallest step's working set, which a leak lifts), and one reading at
+each window's end (which holds whatever the step running then allocated: a reading swings by up
+to ~65 MB, 2.5%, on the tiny model's steps).
 """
 
 from __future__ import annotations
@@ -81,6 +83,11 @@ SHORT_PAUSE_S = 1.0  # within the frontends' liveness bound: nothing may fail
 LONG_PAUSE_S = 5.0  # beyond it: the engine is declared unavailable, then comes back
 STALL_PAUSE_S = 15.0  # beyond the stall floor (shared.transport.DEFAULT_STALL_FLOOR_S, 10 s)
 TAIL_S = 20 * 60.0  # the part of the run whose engine RSS must be flat
+# A connection error before any answer is sent again, as the OpenAI SDK does (max_retries 2),
+# within this long of a frontend kill (the client's pool may hold several dead connections to
+# the killed frontend; aiohttp drops idle ones after 15 s)
+CLIENT_RETRIES = 2
+KILL_POOL_S = 60.0
 PROBE_S = 1.0  # the engine's RssAnon is read this often (each window keeps its least)
 OUTAGE_GRACE_S = 3.0  # after SIGCONT, failures still counted as the outage's
 OUTAGE_BACKOFF_S = 1.0  # a client's wait after a 503 (the frontends send Retry-After: 1)
@@ -183,6 +190,8 @@ class Window:
     rss_engine_mb: float = 0.0
     anon_engine_mb: float = 0.0  # RssAnon: what a leak would grow
     anon_floor_mb: float = 0.0  # the window's least RssAnon (read every PROBE_S)
+    anon_median_mb: float = 0.0  # and its median reading
+    anon_readings: list[float] = field(default_factory=list, repr=False)
     rss_frontends_mb: list[float] = field(default_factory=list)
     running: float | None = None
     waiting: float | None = None
@@ -192,6 +201,7 @@ class Window:
         out = asdict(self)
         out.pop("ttfts")
         out.pop("e2es")
+        out.pop("anon_readings")
         out["ttft_p50_ms"] = self.ttft_p50_ms()
         out["e2e_p50_ms"] = (round(statistics.median(self.e2es) * 1000, 1)
                              if self.e2es else None)
@@ -227,13 +237,14 @@ class Faults:
     def in_outage(self, t: float) -> bool:
         return any(start <= t <= end for start, end in self.outages)
 
-    def excuse(self, attempt: Attempt, exc: Exception, retried: bool) -> str | None:
+    def excuse(self, attempt: Attempt, exc: Exception, retries_left: int) -> str | None:
         """"cut", "retry" or "outage" when a fault explains the failure; None otherwise."""
         pid = attempt.frontend_pid
         if pid in self.killed and attempt.started < self.killed[pid]:
             return "cut"  # in flight on the frontend that was killed
         connection = isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError))
-        if connection and pid is None and self.killed and not retried:
+        recent_kill = self.killed and attempt.started - max(self.killed.values()) < KILL_POOL_S
+        if connection and pid is None and recent_kill and retries_left:
             return "retry"  # no answer yet: a pooled connection to the dead frontend
         clear = isinstance(exc, Failure) and (" 503 " in str(exc) or "error event" in str(exc))
         if clear and (self.in_outage(time.monotonic()) or self.in_outage(attempt.started)):
@@ -273,14 +284,14 @@ class Load:
             kind = "stream" if stream else "plain"
             send = partial(self.generate, session, *self.request(stream))
         self.window.kinds[kind] = self.window.kinds.get(kind, 0) + 1
-        for retried in (False, True):
+        for retries_left in range(CLIENT_RETRIES, -1, -1):
             attempt = Attempt(time.monotonic())
             try:
                 await send(attempt)
                 self.window.done += 1
                 return
             except (Failure, TimeoutError, aiohttp.ClientError) as e:
-                why = self.faults.excuse(attempt, e, retried)
+                why = self.faults.excuse(attempt, e, retries_left)
                 if why == "retry":
                     self.window.retried += 1
                     continue
@@ -491,13 +502,16 @@ def rss_tail(windows: list[Window], run_s: float) -> dict[str, float]:
     seconds = min(TAIL_S, run_s * 2 / 3)
     tail = [w for w in windows if w.t_end_s >= run_s - seconds]
     floors = [w.anon_floor_mb for w in tail if w.anon_floor_mb] or [0.0]
+    medians = [w.anon_median_mb for w in tail if w.anon_median_mb] or [0.0]
     samples = [w.anon_engine_mb for w in tail] or [0.0]
 
     def spread(values: list[float]) -> float:
         return round(100 * (max(values) - min(values)) / min(values), 2) if min(values) else 0.0
 
     return {"seconds": seconds, "min": min(floors), "max": max(floors),
-            "spread_pct": spread(floors), "sample_min": min(samples),
+            "spread_pct": spread(floors), "median_min": min(medians),
+            "median_max": max(medians), "median_spread_pct": spread(medians),
+            "sample_min": min(samples),
             "sample_max": max(samples), "sample_spread_pct": spread(samples)}
 
 
@@ -560,8 +574,9 @@ async def drive(args: argparse.Namespace, url: str, launcher: int) -> dict[str, 
             while time.monotonic() < end:
                 w, engine = load.window, server_pids(launcher)[0]
                 mb = round(rss_mb(engine, "RssAnon"), 1) if engine else 0.0
-                if mb and (not w.anon_floor_mb or mb < w.anon_floor_mb):
-                    w.anon_floor_mb = mb
+                if mb:
+                    w.anon_readings.append(mb)
+                    w.anon_floor_mb = min(w.anon_readings)
                 await asyncio.sleep(PROBE_S)
 
         async def sampler() -> None:
@@ -575,6 +590,8 @@ async def drive(args: argparse.Namespace, url: str, launcher: int) -> dict[str, 
                     restarts.append(f"at {w.t_end_s} s: engine {engine}, frontends {frontends}")
                 w.rss_engine_mb = round(rss_mb(engine), 1) if engine else 0.0
                 w.anon_engine_mb = round(rss_mb(engine, "RssAnon"), 1) if engine else 0.0
+                if w.anon_readings:
+                    w.anon_median_mb = round(statistics.median(w.anon_readings), 1)
                 w.rss_frontends_mb = [round(rss_mb(p), 1) for p in frontends]
                 try:
                     text = await scrape(session, url)
@@ -755,9 +772,11 @@ def main() -> int:
     print(f"  engine RSS MB: first {r['first']}, last {r['last']}, max {r['max']} "
           f"({r['last'] - r['first']:+.1f})")
     tail = summary["rss_engine_tail"]
-    print(f"  engine RssAnon MB over the last {tail['seconds']:.0f} s: windows' floors "
-          f"{tail['min']}-{tail['max']} (spread {tail['spread_pct']:.2f}%), at the windows' ends "
-          f"{tail['sample_min']}-{tail['sample_max']} (spread {tail['sample_spread_pct']:.2f}%)")
+    print(f"  engine RssAnon MB over the last {tail['seconds']:.0f} s: windows' medians "
+          f"{tail['median_min']}-{tail['median_max']} (spread {tail['median_spread_pct']:.2f}%), "
+          f"floors {tail['min']}-{tail['max']} (spread {tail['spread_pct']:.2f}%), at the "
+          f"windows' ends {tail['sample_min']}-{tail['sample_max']} "
+          f"(spread {tail['sample_spread_pct']:.2f}%)")
     for i in range(len(fe_first)):
         print(f"  frontend {i} RSS MB: first {fe_first[i]}, "
               f"last {fe_last[i] if i < len(fe_last) else '-'}, max {fe_max[i]}")
