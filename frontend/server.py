@@ -38,7 +38,7 @@ from frontend.engine.group import PINNED_RANK, EngineGroup
 from frontend.engine.routing import RoutingConfig, add_routing_args, routing_config
 from frontend.errors import Handler, OpenAIError, bad_request, error_middleware
 from frontend.http_limits import HTTP_LIMITS, HttpLimits, body_limit, body_middleware
-from frontend.memory import MemoryTrimmer, settle_gc
+from frontend.memory import settle_gc
 from frontend.metrics import CONTENT_TYPE, render
 from frontend.openai.chat import ServingChat
 from frontend.openai.completions import ServingCompletions
@@ -64,6 +64,7 @@ from frontend.options import add_frontend_args, check_frontend_args
 from frontend.text.tokenizer import load_tokenizer
 from shared.argv import ConfigFileError, normalize
 from shared.curve import ClientKeys, CurveKeyError, client_keys
+from shared.memory import MemoryTrimmer
 
 logger = logging.getLogger(__name__)
 
