@@ -31,7 +31,7 @@ from engine_core.sample.prompt_logprobs import PromptLogprobsAccumulator
 from engine_core.sample.sampler import PendingSample, Sampler, SamplerOutput
 from engine_core.sched.block_manager import BlockManager
 from engine_core.sched.request import Request, Status
-from engine_core.sched.scheduler import Scheduled, Scheduler, SchedulerOutput
+from engine_core.sched.scheduler import Scheduler, SchedulerOutput
 from engine_core.sched.stop_rules import Stop, StopRules
 from engine_core.structured.grammar import GrammarCompiler
 from engine_core.validation import params_error, prompt_ids
@@ -183,7 +183,7 @@ class EngineCore:
             else:
                 sched = self.scheduler.schedule()
                 self._drop_preempted(sched.preempted)
-                launched = self._launch(sched, inflight) if sched.scheduled else None
+                launched = self._launch(sched, inflight) if sched.requests else None
                 if not self.async_scheduling and launched is not None:
                     self._record(launched, placeholders=False)
                     self._complete(launched, news)
@@ -199,7 +199,7 @@ class EngineCore:
             # requests that caused it are gone, and the others keep running. A step in flight
             # completed before the failure keeps its news; one that was not loses its tokens.
             if sched is not None:
-                victims = [s.request for s in sched.scheduled]
+                victims = list(sched.requests)
             elif inflight is not None and inflight.blocks_next:
                 victims = []  # completing it failed: only its own requests
             else:
@@ -229,15 +229,17 @@ class EngineCore:
     def _launch(self, sched: SchedulerOutput, previous: _Launched | None) -> _Launched:
         """Queue the step: the forward (its decodes' tokens from `previous` where they are
         placeholders), the sampling, the prompt logprobs."""
-        plan = _plan_rows(sched.scheduled)
+        plan = _plan_rows(sched)
         with self.threads.step(sched.num_tokens):
             hidden, rows = self.runner.execute(
                 sched, plan.keep, previous.sampled.tokens if previous is not None else None)
             samplers = sched.samplers()
             sampled = self._sample(samplers, hidden[plan.num_prompt_rows:])
-            prompt_lps = self.prompt_logprobs.score_step(self.runner.head, sched.scheduled,
-                                                         plan.prompt_rows, hidden)
-        blocks_next = any(r.grammar is not None or r.reads_history for r in samplers)
+            prompt_lps = (self.prompt_logprobs.score_step(self.runner.head, sched.scheduled,
+                                                          plan.prompt_rows, hidden)
+                          if plan.prompt_rows else {})
+        blocks_next = any(r.grammar is not None or (r.sampling_extras and r.reads_history)
+                          for r in samplers)
         if blocks_next and self.async_scheduling and not self._said_blocking:
             self._said_blocking = True  # e.g. a model whose defaults set repetition_penalty
             log.info("a step with a grammar or a penalty over the output: the next step waits "
@@ -253,11 +255,13 @@ class EngineCore:
     def _complete(self, step: _Launched, news: StepNews) -> None:
         """Wait for the step's tokens, give them to their requests, and add its news."""
         sampled = step.sampled.result()
-        alive = [r.status is not Status.FINISHED for r in step.samplers]
+        # (only an overlapped step's requests can have finished since it was queued)
+        alive = ([r.status is not Status.FINISHED for r in step.samplers]
+                 if self.async_scheduling else None)
         finished = self.scheduler.resolve(step.sched, sampled.token_ids)
         self.runner.note_sampled(step.rows, sampled.token_ids)
         _add_sampled(news, step.samplers, sampled, finished, alive)
-        _add_prompt_only(news, step.sched.scheduled, finished)
+        _add_prompt_only(news, step.sched, finished)
         _attach_prompt_logprobs(news, step.prompt_logprobs)
 
     def _sample(self, samplers: list[Request], hidden: torch.Tensor) -> PendingSample:
@@ -314,31 +318,29 @@ class EngineCore:
 
 class _RowPlan(NamedTuple):
     """Which rows of the packed batch need hidden states: every prompt-logprob row first (per
-    scheduled item, [lo, hi) in `prompt_rows`), then one row per sampling request, in order."""
+    scheduled item, [lo, hi) in `prompt_rows`; empty when no prompt is scored), then one row
+    per sampling request, in order."""
 
     keep: np.ndarray
     prompt_rows: list[tuple[int, int]]
     num_prompt_rows: int
 
 
-def _plan_rows(scheduled: list[Scheduled]) -> _RowPlan:
-    ends = list(itertools.accumulate(s.num_new for s in scheduled))
-    if all(s.request.prompt_logprobs_done for s in scheduled):  # no prompt scored this step
-        keep = np.fromiter((end - 1 for s, end in zip(scheduled, ends) if s.samples), np.int64)
-        return _RowPlan(keep, [(0, 0)] * len(scheduled), 0)
+def _plan_rows(sched: SchedulerOutput) -> _RowPlan:
+    _, num_new, samples = sched.columns()
+    ends = np.cumsum(num_new)
+    if not sched.scores_prompts:
+        return _RowPlan(ends[samples] - 1, [], 0)
     prompt_keep: list[int] = []
-    sample_keep: list[int] = []
     prompt_rows = []
-    for s, end in zip(scheduled, ends):
+    for s, end in zip(sched.scheduled, ends.tolist()):
         req, offset = s.request, end - s.num_new
         lo = len(prompt_keep)
         if not req.prompt_logprobs_done:
             last = min(s.start + s.num_new, req.num_prompt_tokens - 1)
             prompt_keep.extend(range(offset, offset + max(0, last - s.start)))
         prompt_rows.append((lo, len(prompt_keep)))
-        if s.samples:
-            sample_keep.append(end - 1)
-    keep = np.asarray(prompt_keep + sample_keep, dtype=np.int64)
+    keep = np.concatenate([np.asarray(prompt_keep, dtype=np.int64), ends[samples] - 1])
     return _RowPlan(keep, prompt_rows, len(prompt_keep))
 
 
@@ -348,36 +350,38 @@ def _add_refusals(news: StepNews, refused: list[_Refusal]) -> None:
 
 
 def _add_sampled(news: StepNews, samplers: list[Request], sampled: SamplerOutput,
-                 finished: dict[str, Stop], alive: list[bool]) -> None:
+                 finished: dict[str, Stop], alive: list[bool] | None) -> None:
     """A row per request that sampled, with its logprobs row (if it asked) and its finish;
-    none for a request finished before its token came (`alive` False)."""
+    none for a request finished before its token came (`alive` False; None: all alive)."""
     if not samplers:
         return
-    lp_rows = np.full(len(samplers), -1, np.int64)
-    lp_rows[sampled.logprob_rows] = np.arange(len(sampled.logprob_rows))
+    n = len(samplers)
+    lp_rows = np.full(n, -1, np.int64)
+    lp_k = np.full(n, -1, np.int64)
+    asked = sampled.logprob_rows  # the rows whose request asked for logprobs
+    if len(asked):
+        lp_rows[asked] = np.arange(len(asked))
+        lp_k[asked] = [samplers[i].logprobs_k for i in asked.tolist()]
     tokens = sampled.token_ids
-    if not all(alive):
+    if alive is not None and not all(alive):
         keep = np.flatnonzero(np.asarray(alive))
         samplers = [samplers[i] for i in keep]
-        lp_rows, tokens = lp_rows[keep], tokens[keep]
-    lp_k = np.fromiter((-1 if r.params.logprobs is None else r.params.logprobs
-                        for r in samplers), np.int64, len(samplers))
+        lp_rows, lp_k, tokens = lp_rows[keep], lp_k[keep], tokens[keep]
     first = len(news)
     ids = [r.request_id for r in samplers]
     news.add_sampled(ids, [r.owner for r in samplers], tokens, sampled.logprobs, lp_rows, lp_k)
     if finished:
-        for i, rid in enumerate(ids):
-            stop = finished.get(rid)
-            if stop is not None:
-                news.finish(first + i, stop.reason, stop.stop_token_id)
+        row_of = dict(zip(ids, range(first, first + len(ids))))
+        for rid, stop in finished.items():
+            row = row_of.get(rid)
+            if row is not None:
+                news.finish(row, stop.reason, stop.stop_token_id)
 
 
-def _add_prompt_only(news: StepNews, scheduled: list[Scheduled],
-                     finished: dict[str, Stop]) -> None:
+def _add_prompt_only(news: StepNews, sched: SchedulerOutput, finished: dict[str, Stop]) -> None:
     """A finish row per prompt-only request whose prompt this step completed."""
-    for s in scheduled:
-        req = s.request
-        if req.prefill_only and req.request_id in finished:
+    for req in sched.prompts_done():
+        if req.request_id in finished:
             news.add_finish(req.request_id, req.owner, finished[req.request_id].reason)
 
 

@@ -62,17 +62,24 @@ def build_metadata(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndar
     block_table: [B, max_blocks] block ids (rows padded with 0). With `decode_kernels` (CPU,
     float32) the decodes run on their compiled kernel.
     """
-    offsets = np.cumsum(num_new) - num_new
-    slot_mapping, positions = cache_slots(block_table, np.arange(len(starts)), starts, num_new,
-                                          block_size)
-
-    is_decode = num_new == 1
-    dec = np.nonzero(is_decode)[0]
+    if len(num_new) and bool((num_new == 1).all()):  # decodes only: row i is token i
+        positions = starts
+        slot_mapping = (block_table[np.arange(len(starts)), starts // block_size] * block_size
+                        + starts % block_size)
+        offsets = dec = np.arange(len(starts))
+        is_decode = np.ones(len(starts), dtype=bool)
+    else:
+        offsets = np.cumsum(num_new) - num_new
+        slot_mapping, positions = cache_slots(block_table, np.arange(len(starts)), starts,
+                                              num_new, block_size)
+        is_decode = num_new == 1
+        dec = np.nonzero(is_decode)[0]
     ctx = starts[dec] + 1
     max_ctx = int(ctx.max()) if len(dec) else 0
     nblocks = -(-max_ctx // block_size) if len(dec) else 1
     # past a context: padding or spare, masked out (int64, as the compiled kernel reads them)
-    dec_blocks = block_table[dec, :nblocks].astype(np.int64)
+    dec_blocks = (block_table if len(dec) == len(block_table) else block_table[dec]
+                  )[:, :nblocks].astype(np.int64)
     dec_mask = (None if decode_kernels is not None else
                 torch.from_numpy(np.arange(nblocks * block_size)[None, :] < ctx[:, None]))
 

@@ -90,6 +90,7 @@ class DeviceSampler:
         self.vocab = weights.weight.shape[0]
         self.link = link
         self._masker: TokenMasker | None = None  # made at the first constrained row
+        self._no_args: _DrawArgs | None = None
 
     def __call__(self, head: object, hidden: torch.Tensor,
                  reqs: Sequence[Request]) -> SamplerOutput:
@@ -103,7 +104,7 @@ class DeviceSampler:
         wait comes with `result()`. A step with constrained rows waits at once (their
         matchers need the tokens)."""
         batch = SamplingBatch.of(reqs, self.vocab, self.eos_token_ids, self.generator)
-        args = _DrawArgs.upload(batch, self.link)
+        args = self._args(batch)
         logits = self.weights.logits(hidden)
         processed = self._process(logits, batch, reqs)
         tokens = self._pick(processed, batch, args)
@@ -117,6 +118,15 @@ class DeviceSampler:
             tokens = self.link.upload(token_ids)  # a row was drawn again: its logprobs too
             host = [token_ids, *self.link.download(self._logprobs(logits, tokens, batch, args))]
         return PendingSample.done(_output(host, batch), tokens)
+
+    def _args(self, batch: SamplingBatch) -> _DrawArgs:
+        """The batch's arrays on the device; a greedy batch with no logprobs has none to
+        upload (its empty arrays are made once)."""
+        if len(batch.sampled) or len(batch.logprob_rows):
+            return _DrawArgs.upload(batch, self.link)
+        if self._no_args is None:
+            self._no_args = _DrawArgs.upload(batch, self.link)
+        return self._no_args
 
     def profile(self, hidden: torch.Tensor) -> None:
         """The costliest step this sampler can be given for `hidden`'s rows, for the memory

@@ -14,6 +14,7 @@ request draws the same numbers whatever shares its batch, on either sampler.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -71,34 +72,51 @@ class SamplingBatch:
     @staticmethod
     def of(reqs: Sequence[Request], vocab: int, eos_token_ids: Sequence[int],
            generator: torch.Generator) -> SamplingBatch:
-        temps = np.array([r.params.temperature for r in reqs], dtype=np.float32)
-        sampled = np.nonzero(temps >= GREEDY_EPS)[0]
-        drawing = [reqs[int(i)] for i in sampled]
-        lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        """From one pass over the requests' temperatures; the draw parameters are read only
+        for the rows that draw (`Request.draw`), the rest only for requests with
+        `sampling_extras` or a grammar."""
+        n = len(reqs)
+        temps = np.fromiter([r.params.temperature for r in reqs], np.float32, n)
+        sampled = np.flatnonzero(temps >= GREEDY_EPS)
+        drawing = reqs if len(sampled) == n else [reqs[i] for i in sampled.tolist()]
+        drawn = np.fromiter(itertools.chain.from_iterable([r.draw for r in drawing]),
+                            np.float64, 3 * len(drawing)).reshape(-1, 3)
+        top_k = drawn[:, 0]
+        extras = [i for i, r in enumerate(reqs) if r.sampling_extras or r.grammar is not None]
+        lp_rows = [i for i in extras if reqs[i].params.logprobs is not None]
         return SamplingBatch(
             sampled=sampled.astype(np.int64),
             temperature=temps[sampled],
-            uniform=uniforms(drawing, generator),
-            top_k=np.array([r.params.top_k if 0 < r.params.top_k < vocab else 0
-                            for r in drawing], dtype=np.int64),
-            top_p=np.array([r.params.top_p for r in drawing], dtype=np.float32),
-            min_p=np.array([r.params.min_p for r in drawing], dtype=np.float32),
-            bias=_bias(reqs, vocab),
-            banned=_banned(reqs, vocab, eos_token_ids),
-            repetition=_repetition(reqs),
-            penalty=_penalty(reqs),
+            uniform=uniforms(reqs, sampled, extras, generator),
+            top_k=np.where((top_k > 0) & (top_k < vocab), top_k, 0).astype(np.int64),
+            top_p=drawn[:, 1].astype(np.float32),
+            min_p=drawn[:, 2].astype(np.float32),
+            bias=_bias(reqs, extras, vocab) if extras else NO_EDITS,
+            banned=_banned(reqs, extras, vocab, eos_token_ids) if extras else NO_EDITS,
+            repetition=_repetition(reqs, extras) if extras else NO_EDITS,
+            penalty=_penalty(reqs, extras) if extras else NO_EDITS,
             logprob_rows=np.array(lp_rows, dtype=np.int64),
             top_logprobs=max((reqs[i].params.logprobs or 0 for i in lp_rows), default=0),
-            constrained=[i for i, r in enumerate(reqs) if r.masked],
+            constrained=[i for i in extras if reqs[i].masked],
         )
 
 
-def uniforms(reqs: Sequence[Request], generator: torch.Generator) -> np.ndarray:
-    """One uniform number per request: the engine generator's, or its own when seeded."""
-    u = torch.rand(len(reqs), generator=generator)
-    for j, req in enumerate(reqs):
+NO_EDITS = Edits.of([], [], [])
+
+
+def uniforms(reqs: Sequence[Request], sampled: np.ndarray, extras: Sequence[int],
+             generator: torch.Generator) -> np.ndarray:
+    """One uniform number per sampled row of `reqs`: the engine generator's, or its own when
+    seeded (a seeded request is among `extras`)."""
+    if not len(sampled):
+        return np.zeros(0, np.float32)  # (drawing none leaves the generator as it is)
+    u = torch.rand(len(sampled), generator=generator)
+    for i in extras:
+        req = reqs[i]
         if req.generator is not None:
-            u[j] = torch.rand(1, generator=req.generator)
+            j = int(np.searchsorted(sampled, i))
+            if j < len(sampled) and sampled[j] == i:
+                u[j] = torch.rand(1, generator=req.generator)
     return u.numpy()
 
 
@@ -106,9 +124,10 @@ def _row(i: int, n: int) -> np.ndarray:
     return np.full(n, i, dtype=np.int64)
 
 
-def _bias(reqs: Sequence[Request], vocab: int) -> Edits:
+def _bias(reqs: Sequence[Request], extras: Sequence[int], vocab: int) -> Edits:
     rows, ids, vals = [], [], []
-    for i, r in enumerate(reqs):
+    for i in extras:
+        r = reqs[i]
         if not r.params.logit_bias:
             continue
         bias = {t: v for t, v in r.params.logit_bias.items() if 0 <= t < vocab}
@@ -119,9 +138,11 @@ def _bias(reqs: Sequence[Request], vocab: int) -> Edits:
     return Edits.of(rows, ids, vals)
 
 
-def _banned(reqs: Sequence[Request], vocab: int, eos_token_ids: Sequence[int]) -> Edits:
+def _banned(reqs: Sequence[Request], extras: Sequence[int], vocab: int,
+            eos_token_ids: Sequence[int]) -> Edits:
     rows, ids = [], []
-    for i, r in enumerate(reqs):
+    for i in extras:
+        r = reqs[i]
         p = r.params
         if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
@@ -131,9 +152,10 @@ def _banned(reqs: Sequence[Request], vocab: int, eos_token_ids: Sequence[int]) -
     return Edits.of(rows, ids, [np.zeros(len(r), np.float32) for r in rows])
 
 
-def _repetition(reqs: Sequence[Request]) -> Edits:
+def _repetition(reqs: Sequence[Request], extras: Sequence[int]) -> Edits:
     rows, ids, vals = [], [], []
-    for i, r in enumerate(reqs):
+    for i in extras:
+        r = reqs[i]
         if r.params.repetition_penalty != 1.0:
             seen = np.unique(np.asarray(r.all_token_ids, dtype=np.int64))
             rows.append(_row(i, len(seen)))
@@ -142,9 +164,10 @@ def _repetition(reqs: Sequence[Request]) -> Edits:
     return Edits.of(rows, ids, vals)
 
 
-def _penalty(reqs: Sequence[Request]) -> Edits:
+def _penalty(reqs: Sequence[Request], extras: Sequence[int]) -> Edits:
     rows, ids, vals = [], [], []
-    for i, r in enumerate(reqs):
+    for i in extras:
+        r = reqs[i]
         p = r.params
         if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
             out, counts = np.unique(np.asarray(r.output_token_ids, dtype=np.int64),

@@ -49,6 +49,21 @@ class Request:
         # >= 0 while the newest token is a placeholder (PLACEHOLDER): sampled by a step still
         # in flight (overlapped steps), at this row of that step's samples
         self.placeholder_row = -1
+        # Read once here, so that a step's per-request work is a few attribute loads:
+        # - what may end it at a token (widened by the scheduler with the model's EOS ids and
+        #   context, `StopRules.watch`): a token among `stop_ids`, or `output_limit` outputs;
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.output_limit = params.max_tokens
+        # - how it draws, (top_k, top_p, min_p), and its logprobs' k (-1: none);
+        self.draw = (params.top_k, params.top_p, params.min_p)
+        self.logprobs_k = -1 if params.logprobs is None else params.logprobs
+        # - whether its sampling needs more than those (sampling_batch.py reads only these
+        #   requests' other parameters): edits of the logits, its own generator, logprobs,
+        #   a grammar.
+        self.sampling_extras = bool(
+            params.logit_bias or params.min_tokens or self.reads_history
+            or params.seed is not None or params.logprobs is not None
+            or params.structured is not None)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -55,20 +55,91 @@ class Scheduled:
         self.samples = self.completes_prefill and request.params.max_tokens > 0
         self.completes_prompt = end >= len(request.prompt_token_ids)
 
+    @classmethod
+    def decode(cls, request: Request, start: int) -> Scheduled:
+        """A plain decode's share (see SchedulerOutput)."""
+        s = cls.__new__(cls)
+        s.request, s.start, s.num_new = request, start, 1
+        s.completes_prefill = s.samples = s.completes_prompt = True
+        return s
+
     def __repr__(self) -> str:
         return f"Scheduled({self.request.request_id!r}, {self.start}, {self.num_new})"
 
 
-@dataclass
 class SchedulerOutput:
-    scheduled: list[Scheduled] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    num_tokens: int = 0  # tokens computed by the step, all scheduled requests together
+    """A step's schedule, in columns: item i computes `num_new[i]` tokens of `requests[i]`
+    from position `starts[i]`, in this order.
+
+    At a large batch nearly every item is a plain decode: the request's one token past its
+    prompt (its prompt done and scored, if asked), whose token the step samples. Nothing
+    about it needs more than these columns. Every other item (a prefill chunk, a recomputed
+    request, a prompt scored or prompt-only) is also in `special`, by index, as the
+    `Scheduled` that settles its flags; `scheduled` gives every item as one."""
+
+    def __init__(self) -> None:
+        self.requests: list[Request] = []
+        self.starts: list[int] = []
+        self.num_new: list[int] = []
+        self.special: dict[int, Scheduled] = {}
+        self.preempted: list[Request] = []
+        self.num_tokens = 0  # tokens computed by the step, all scheduled requests together
+        self._samplers: list[Request] | None = None
+        self._columns: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    @staticmethod
+    def of(scheduled: Sequence[Scheduled]) -> SchedulerOutput:
+        """A schedule of these items (each kept as special: correct for any item)."""
+        out = SchedulerOutput()
+        for s in scheduled:
+            out.add(s)
+        out.num_tokens = sum(s.num_new for s in scheduled)
+        return out
+
+    def add(self, s: Scheduled) -> None:
+        self.special[len(self.requests)] = s
+        self.requests.append(s.request)
+        self.starts.append(s.start)
+        self.num_new.append(s.num_new)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def scheduled(self) -> list[Scheduled]:
+        special = self.special
+        return [special.get(i) or Scheduled.decode(r, start)
+                for i, (r, start) in enumerate(zip(self.requests, self.starts))]
 
     def samplers(self) -> list[Request]:
         """The requests that sample a token this step, in order (one row each for the
         sampler)."""
-        return [s.request for s in self.scheduled if s.samples]
+        if self._samplers is None:
+            special = self.special
+            self._samplers = (list(self.requests) if not special else
+                              [r for i, r in enumerate(self.requests)
+                               if i not in special or special[i].samples])
+        return self._samplers
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`starts` and `num_new` as int64 arrays, and which items sample (bool)."""
+        if self._columns is None:
+            samples = np.ones(len(self.requests), dtype=bool)
+            for i, s in self.special.items():
+                samples[i] = s.samples
+            self._columns = (np.array(self.starts, dtype=np.int64),
+                             np.array(self.num_new, dtype=np.int64), samples)
+        return self._columns
+
+    @property
+    def scores_prompts(self) -> bool:
+        """Whether an item's prompt positions are scored (prompt logprobs) this step."""
+        return any(not s.request.prompt_logprobs_done for s in self.special.values())
+
+    def prompts_done(self) -> list[Request]:
+        """The prompt-only requests whose prompt this step completes."""
+        return [s.request for s in self.special.values()
+                if s.completes_prefill and s.request.prefill_only]
 
 
 @dataclass
@@ -123,6 +194,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        self.stop_rules.watch(req)
         self.waiting.append(req)
         constraint = req.params.structured
         if constraint is not None:
@@ -186,38 +258,48 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(out, budget)
         self.num_chunked_prefills += sum(
-            1 for s in out.scheduled if s.num_new > 1 and not s.completes_prefill)
+            1 for s in out.special.values() if s.num_new > 1 and not s.completes_prefill)
         return out
 
     def step_budget(self) -> int:
         if self.min_num_batched_tokens is None:
             return self.max_num_batched_tokens
         backlog = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
-        backlog += sum(r.num_tokens - r.num_computed_tokens for r in self.running
-                       if r.num_computed_tokens < r.num_prompt_tokens)
+        backlog += sum(len(r.all_token_ids) - r.num_computed_tokens for r in self.running
+                       if r.num_computed_tokens < len(r.prompt_token_ids))
         return max(self.min_num_batched_tokens, min(self.max_num_batched_tokens, backlog // 4))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        running, scheduled, block_size = self.running, out.scheduled, self.blocks.block_size
+        running, block_size = self.running, self.blocks.block_size
+        reqs, starts, news, special = out.requests, out.starts, out.num_new, out.special
         given = budget
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
-            if not req.prompt_logprobs_done:
-                num_new = min(num_new, self._rows_left)
+            i += 1
+            start = req.num_computed_tokens
+            num_new = len(req.all_token_ids) - start
+            # a plain decode (SchedulerOutput): its one token past a prompt done and scored
+            plain = num_new == 1 and start >= len(req.prompt_token_ids) and \
+                req.prompt_logprobs_done
+            if not plain:
+                num_new = min(num_new, budget)
+                if not req.prompt_logprobs_done:
+                    num_new = min(num_new, self._rows_left)
             if num_new == 0 or (req.placeholder_row >= 0 and self.stop_rules.at_length(req)):
-                i += 1  # nothing to compute, or a token in flight that ends it by length
-                continue
+                continue  # nothing to compute, or a token in flight that ends it by length
             # (most decode steps fit in the blocks the request has: nothing to allocate)
-            if req.num_computed_tokens + num_new > len(req.block_ids) * block_size and \
+            if start + num_new > len(req.block_ids) * block_size and \
                     not self._grow_or_preempt(req, num_new, out):
                 break  # req itself was preempted: it was the newest, nothing after it
-            scheduled.append(Scheduled(req, req.num_computed_tokens, num_new))
-            if not req.prompt_logprobs_done:
-                self._rows_left -= num_new
+            if not plain:
+                special[len(reqs)] = Scheduled(req, start, num_new)
+                if not req.prompt_logprobs_done:
+                    self._rows_left -= num_new
+            reqs.append(req)
+            starts.append(start)
+            news.append(num_new)
             budget -= num_new
-            i += 1
         out.num_tokens += given - budget
         return budget
 
@@ -285,7 +367,7 @@ class Scheduler:
             req.num_published_blocks = len(hits)
             req.status = Status.RUNNING
             self.running.append(req)
-            out.scheduled.append(Scheduled(req, num_computed, num_new))
+            out.add(Scheduled(req, num_computed, num_new))
             out.num_tokens += num_new
             self._take_rows(req, num_new)
             budget -= num_new
@@ -320,16 +402,23 @@ class Scheduler:
     def advance(self, out: SchedulerOutput, placeholders: bool = False) -> None:
         """The step's progress: computed tokens, published prefix blocks; with
         `placeholders`, a placeholder token (its row in the step's samples) for each sampler."""
-        row = 0
         finished, block_size, stats = Status.FINISHED, self.blocks.block_size, self.stats
-        for s in out.scheduled:
-            req = s.request
+        caching, special = self.blocks.enable_prefix_caching, out.special
+        rows = _sample_rows(out) if placeholders and special else None
+        for i, req in enumerate(out.requests):
             if req.status is finished:
-                row += s.samples
+                continue
+            s = special.get(i) if special else None
+            if s is None:  # a plain decode
+                req.num_computed_tokens += 1
+                if caching and req.num_computed_tokens // block_size > req.num_published_blocks:
+                    self.publish_computed_blocks(req)  # a block was filled
+                if placeholders:
+                    req.append_placeholder(i if rows is None else rows[i])
                 continue
             req.num_computed_tokens += s.num_new
-            if req.num_computed_tokens // block_size > req.num_published_blocks:
-                self.publish_computed_blocks(req)  # a block was filled
+            if caching and req.num_computed_tokens // block_size > req.num_published_blocks:
+                self.publish_computed_blocks(req)
             if s.completes_prompt:
                 req.prompt_logprobs_done = True  # scored by the engine on this step, if asked
             prompt_len = len(req.prompt_token_ids)
@@ -338,8 +427,8 @@ class Scheduler:
             if s.start < prompt_len:
                 stats.prompt_tokens += min(s.start + s.num_new, prompt_len) - s.start
             if placeholders and s.samples:
-                req.append_placeholder(row)
-            row += s.samples
+                assert rows is not None
+                req.append_placeholder(rows[i])
 
     def resolve(self, out: SchedulerOutput,
                 sampled_token_ids: np.ndarray | Sequence[int]) -> dict[str, Stop]:
@@ -351,17 +440,31 @@ class Scheduler:
         if len(samplers) != len(tokens):
             raise ValueError(f"{len(tokens)} sampled tokens for {len(samplers)} sampling requests")
         appended = 0
+        done = Status.FINISHED
         for req, token in zip(samplers, tokens):
-            if req.status is Status.FINISHED:
+            if req.status is done:
                 continue  # finished or aborted while its token was in flight
             appended += 1
-            stop = self._append(req, token)
+            if req.grammar is not None:  # (and any request that thinks first)
+                stop = self._append(req, token)
+            else:  # Request.append_token / resolve_placeholder, then the stop rules
+                outputs = req.output_token_ids
+                if req.placeholder_row >= 0:
+                    outputs[-1] = req.all_token_ids[-1] = token
+                    req.placeholder_row = -1
+                else:
+                    outputs.append(token)
+                    req.all_token_ids.append(token)
+                if token not in req.stop_ids and len(outputs) < req.output_limit:
+                    continue  # (StopRules.watch: nothing else can stop it now)
+                stop = self.stop_rules.check(req, token)
+                if stop is not None:
+                    self._finish(req, stop.reason)
             if stop is not None:
                 finished[req.request_id] = stop
         self.stats.generation_tokens += appended
-        for s in out.scheduled:
-            req = s.request
-            if s.completes_prefill and req.prefill_only and req.status is not Status.FINISHED:
+        for req in out.prompts_done():
+            if req.status is not done:
                 finished[req.request_id] = Stop(FinishReason.LENGTH)
                 self._finish(req, FinishReason.LENGTH)
         return finished
@@ -388,6 +491,20 @@ class Scheduler:
         req.num_published_blocks = self.blocks.cache_full_blocks(
             req.block_ids, req.all_token_ids, req.block_hashes, req.num_computed_tokens,
             req.num_published_blocks)
+
+
+def _sample_rows(out: SchedulerOutput) -> list[int]:
+    """Each item's row in the step's samples (-1 for an item that samples nothing)."""
+    rows, row = [], 0
+    special = out.special
+    for i in range(len(out.requests)):
+        s = special.get(i)
+        if s is None or s.samples:
+            rows.append(row)
+            row += 1
+        else:
+            rows.append(-1)
+    return rows
 
 
 def _grammar_stop(req: Request, token: int, stop: Stop | None) -> Stop | None:

@@ -36,6 +36,15 @@ class StopRules:
             return Stop(FinishReason.LENGTH)
         return None
 
+    def watch(self, req: Request) -> None:
+        """Set what `check` can stop `req` on, for a quick test before it (`req.stop_ids`,
+        `req.output_limit`): every id that may stop it, and the count of outputs at which its
+        length does (max_tokens, or the context's end)."""
+        p = req.params
+        req.stop_ids = frozenset(p.stop_token_ids).union(() if p.ignore_eos
+                                                         else self.eos_token_ids)
+        req.output_limit = min(p.max_tokens, self.max_model_len - len(req.prompt_token_ids))
+
     def at_length(self, req: Request) -> bool:
         """Whether `req` has all the tokens it may have (max_tokens, or the context)."""
         return (len(req.output_token_ids) >= req.params.max_tokens

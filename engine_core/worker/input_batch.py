@@ -19,6 +19,7 @@ given to another) is told apart by its epoch and never written by a late record.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -27,7 +28,7 @@ import torch
 
 from engine_core.layers.host_link import HostLink
 from engine_core.sched.request import Request, Status
-from engine_core.sched.scheduler import Scheduled
+from engine_core.sched.scheduler import SchedulerOutput
 
 
 class StepRows(NamedTuple):
@@ -69,6 +70,8 @@ class BlockTables:
         self.host = np.zeros((rows + 1, width), dtype=np.int32)
         self.host[rows] = dummy_block
         self.device = link.upload(self.host)  # [rows + 1, width], allocated whole
+        self._shared = self.device.device.type == "cpu" and \
+            self.device.data_ptr() == self.host.ctypes.data
         self.count = np.zeros(rows + 1, dtype=np.int64)  # blocks written per row
         self.epoch = np.zeros(rows + 1, dtype=np.int64)  # bumped when a row changes hands
         self.last_token = np.full(rows + 1, -1, dtype=np.int64)  # the newest known token
@@ -80,8 +83,8 @@ class BlockTables:
     # -- rows -------------------------------------------------------------------------------
     def rows_for(self, reqs: Sequence[Request]) -> np.ndarray:
         """Each request's row, given one if it has none."""
-        row_of = self.row_of
-        rows = np.fromiter((row_of.get(r, -1) for r in reqs), np.int64, len(reqs))
+        rows = np.fromiter(map(self.row_of.get, reqs, itertools.repeat(-1)), np.int64,
+                           len(reqs))
         for i in np.nonzero(rows < 0)[0]:
             rows[i] = self._assign(reqs[int(i)])
         return rows
@@ -114,21 +117,26 @@ class BlockTables:
     def sync(self, reqs: Sequence[Request], rows: np.ndarray, ends: np.ndarray) -> None:
         """Write the blocks each row lacks to hold positions below `ends` (host and device)."""
         need = -(-ends // self.block_size)
-        grow = np.nonzero(need > self.count[rows])[0]
+        have = self.count[rows]
+        grow = np.flatnonzero(need > have)
         if not len(grow):
             return
-        at_rows, at_cols, blocks = [], [], []
-        for i in grow:
-            row, have, want = int(rows[i]), int(self.count[rows[i]]), int(need[i])
-            new = reqs[int(i)].block_ids[have:want]
-            self.host[row, have:want] = new
-            self.count[row] = want
-            at_rows.append(np.full(want - have, row, np.int64))
-            at_cols.append(np.arange(have, want, dtype=np.int64))
-            blocks.append(np.asarray(new, dtype=np.int64))
-        r, c, b = self.link.upload_many([np.concatenate(at_rows), np.concatenate(at_cols),
-                                         np.concatenate(blocks)], np.int64)
-        self.device.index_put_((r, c), b.to(torch.int32))
+        at_rows, at_cols, need, have = rows[grow], have[grow], need[grow], have[grow]
+        if bool((need - have == 1).all()):  # a block more each (decodes): no loop over rows
+            blocks = np.fromiter([reqs[i].block_ids[h] for i, h in
+                                  zip(grow.tolist(), have.tolist())], np.int64, len(grow))
+        else:
+            at_rows = np.repeat(at_rows, need - have)
+            at_cols = np.concatenate([np.arange(h, n) for h, n in
+                                      zip(have.tolist(), need.tolist())])
+            blocks = np.fromiter(itertools.chain.from_iterable(
+                [reqs[i].block_ids[h:n] for i, h, n in
+                 zip(grow.tolist(), have.tolist(), need.tolist())]), np.int64, len(at_cols))
+        self.host[at_rows, at_cols] = blocks
+        self.count[rows[grow]] = need
+        if not self._shared:  # (on the CPU the device table is the host's memory)
+            r, c, b = self.link.upload_many([at_rows, at_cols, blocks], np.int64)
+            self.device.index_put_((r, c), b.to(torch.int32))
 
     def rows_view(self, rows: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """The host table's `rows`, as wide as the longest needs."""
@@ -136,35 +144,32 @@ class BlockTables:
         return self.host[rows, :width]
 
     # -- the step's inputs ------------------------------------------------------------------
-    def inputs(self, items: Sequence[Scheduled]) -> StepInputs:
+    def inputs(self, sched: SchedulerOutput) -> StepInputs:
         """The step's inputs; the rows' tables written first (`sync`)."""
-        n = len(items)
-        reqs = [s.request for s in items]
-        starts = np.fromiter((s.start for s in items), np.int64, n)
-        num_new = np.fromiter((s.num_new for s in items), np.int64, n)
+        reqs = sched.requests
+        starts, num_new, samples = sched.columns()
         rows = self.rows_for(reqs)
         self.sync(reqs, rows, starts + num_new)
-        tokens, pending_rows, pending_src = self._token_ids(items, rows, starts, num_new)
-        samples = np.fromiter((s.samples for s in items), bool, n)
-        step_rows = StepRows(rows, self.epoch[rows], rows[samples], self.epoch[rows[samples]],
+        tokens, pending_rows, pending_src = self._token_ids(sched, rows, starts, num_new)
+        sampler_rows = rows[samples]
+        step_rows = StepRows(rows, self.epoch[rows], sampler_rows, self.epoch[sampler_rows],
                              (starts + num_new)[samples])
         return StepInputs(starts, num_new, tokens, pending_rows, pending_src, step_rows)
 
-    def _token_ids(self, items: Sequence[Scheduled], rows: np.ndarray, starts: np.ndarray,
+    def _token_ids(self, sched: SchedulerOutput, rows: np.ndarray, starts: np.ndarray,
                    num_new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Decodes of the token their row recorded: one gather; every other row's tokens
         from its request (prefill chunks)."""
         known = (num_new == 1) & (self.last_pos[rows] == starts)
         offsets = np.cumsum(num_new) - num_new
         if bool(known.all()):
-            tokens = self.last_token[rows].copy()
+            tokens = self.last_token[rows]
         else:
             tokens = np.empty(int(num_new.sum()), dtype=np.int64)
             tokens[offsets[known]] = self.last_token[rows[known]]
-            for i in np.nonzero(~known)[0]:
-                s = items[int(i)]
-                at = int(offsets[i])
-                tokens[at:at + s.num_new] = s.request.all_token_ids[s.start:s.start + s.num_new]
+            for i in np.nonzero(~known)[0].tolist():
+                start, n, at = sched.starts[i], sched.num_new[i], int(offsets[i])
+                tokens[at:at + n] = sched.requests[i].all_token_ids[start:start + n]
         src = self.pending[rows]
         waiting = known & (src >= 0)
         return tokens, offsets[waiting], src[waiting]

@@ -218,7 +218,7 @@ class ModelRunner:
         and where the step's requests are in the block table (for `note_sampled`).
         `previous`: the previous step's sampled tokens, on the device, where an overlapped
         step left placeholders for them (moved there if a host sampler made them)."""
-        inputs = self.tables.inputs(sched.scheduled)
+        inputs = self.tables.inputs(sched)
         if previous is not None and previous.device != self.device:
             previous = previous.to(self.device, non_blocking=True)
         size = self.graphs.size_for(inputs) if self.graphs is not None else None
@@ -250,15 +250,17 @@ class ModelRunner:
                 kv_caches: KVCaches, previous: torch.Tensor | None = None) -> torch.Tensor:
         """One packed forward, eagerly (see `execute`), its inputs uploaded in one copy."""
         meta, positions = self._metadata(inputs.starts, inputs.num_new, tables, kv_caches)
+        every_row = _every_row(keep_rows, len(inputs.token_ids))
         input_ids, position_ids, keep, dst, src = self.link.upload_many(
-            [np.maximum(inputs.token_ids, 0), positions, keep_rows, inputs.pending_rows,
-             inputs.pending_src], np.int64)
+            [np.maximum(inputs.token_ids, 0), positions, keep_rows[:0] if every_row else keep_rows,
+             inputs.pending_rows, inputs.pending_src], np.int64)
         if len(inputs.pending_rows):
             assert previous is not None, "a placeholder with no step before it"
             input_ids.index_copy_(0, dst, previous.index_select(0, src))
         out = self.decoder(input_ids=input_ids[None], position_ids=position_ids[None],
                            use_cache=False, tandem_meta=meta)
-        return out.last_hidden_state[0, keep]
+        hidden: torch.Tensor = out.last_hidden_state[0]
+        return hidden if every_row else hidden[keep]
 
     @torch.inference_mode()
     def profile_step(self, num_tokens: int, num_seqs: int) -> StepMemory:
@@ -287,9 +289,15 @@ class ModelRunner:
         return measure_step(self.device, step, scratch)
 
 
+def _every_row(keep: np.ndarray, rows: int) -> bool:
+    """Whether `keep` is every one of `rows` rows, in order (a decode-only step's)."""
+    return len(keep) == rows and (not rows or (keep[0] == 0 and keep[-1] == rows - 1
+                                               and bool((np.diff(keep) == 1).all())))
+
+
 def _rows(hidden: torch.Tensor, keep: np.ndarray, link: Any) -> torch.Tensor:
     """`hidden` at rows `keep` (all of them, in order, needs no gather)."""
-    if len(keep) == len(hidden) and bool((keep == np.arange(len(keep))).all()):
+    if _every_row(keep, len(hidden)):
         return hidden
     return hidden.index_select(0, link.upload(keep))
 

@@ -257,3 +257,65 @@ def test_a_thinking_request_is_masked_from_the_token_after_its_end_marker():
     at_once = req("c", 3, structured=StructuredOutput("json_object"))
     at_once.grammar = RequestGrammar(compiled)
     assert at_once.masked
+
+
+def test_plain_decodes_are_columns_and_every_other_item_is_special():
+    """A schedule keeps a `Scheduled` only for items other than plain decodes; `scheduled`
+    gives every item with the flags it had when scheduled, and the columns agree."""
+    s = scheduler(budget=12)
+    a, b, c = req("a", 5, max_tokens=6), req("b", 3, prompt_logprobs=1), req("c", 20)
+    for r in (a, b, c):
+        s.add(r)
+    first = s.schedule()  # a and b whole, c's first chunk
+    assert sorted(first.special) == [0, 1, 2]
+    finish_step(s, first)
+    out = s.schedule()  # a and b decode (b scored its prompt already), c's next chunk
+    assert [(x.request.request_id, x.start, x.num_new) for x in out.scheduled] == [
+        ("a", 5, 1), ("b", 3, 1), ("c", 4, 10)]
+    assert sorted(out.special) == [2]  # only the chunk
+    plain = out.scheduled[0]
+    assert plain.completes_prefill and plain.samples and plain.completes_prompt
+    assert not out.scheduled[2].samples
+    starts, num_new, samples = out.columns()
+    assert starts.tolist() == [5, 3, 4] and num_new.tolist() == [1, 1, 10]
+    assert samples.tolist() == [True, True, False]
+    assert [r.request_id for r in out.samplers()] == ["a", "b"]
+    assert not out.scores_prompts and out.prompts_done() == []
+    before = (a.num_computed_tokens, b.num_computed_tokens, c.num_computed_tokens)
+    finish_step(s, out)
+    assert (a.num_computed_tokens, b.num_computed_tokens, c.num_computed_tokens) == (
+        before[0] + 1, before[1] + 1, before[2] + 10)
+    assert a.output_token_ids == [7, 7] and c.output_token_ids == []
+
+
+def test_the_quick_stop_filter_never_misses_a_stop():
+    """`StopRules.watch` widens a request's stop ids and output limit so that the scheduler's
+    quick test (a token among the ids, or the limit reached) holds whenever `check` stops it:
+    stop tokens, EOS, ignore_eos, min_tokens, max_tokens and the context's end."""
+    rules = StopRules(frozenset({EOS, 3}), max_model_len=12)
+    cases = [dict(max_tokens=20), dict(max_tokens=4), dict(stop_token_ids=[9], max_tokens=20),
+             dict(ignore_eos=True, max_tokens=20), dict(min_tokens=3, max_tokens=20),
+             dict(ignore_eos=True, stop_token_ids=[9], min_tokens=2, max_tokens=6)]
+    for params in cases:
+        for token in (EOS, 3, 9, 7):
+            r = req("r", 5, **params)
+            rules.watch(r)
+            for _ in range(10):
+                r.append_token(token)
+                if rules.check(r, token) is not None:
+                    assert token in r.stop_ids or len(r.output_token_ids) >= r.output_limit
+                    break
+            else:
+                raise AssertionError(f"{params}, {token}: the context's end never stopped it")
+
+
+def test_prompt_only_and_scored_prompts_are_special():
+    s = scheduler()
+    p, q = req("p", 4, max_tokens=0), req("q", 3, prompt_logprobs=2)
+    s.add(p)
+    s.add(q)
+    out = s.schedule()
+    assert out.scores_prompts and [r.request_id for r in out.prompts_done()] == ["p"]
+    assert [r.request_id for r in out.samplers()] == ["q"]
+    finished = finish_step(s, out)
+    assert finished["p"] == Stop(FinishReason.LENGTH) and p.status is Status.FINISHED
