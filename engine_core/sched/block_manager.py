@@ -182,22 +182,30 @@ class BlockManager:
         self._free.push(freed)
 
     def cache_full_blocks(self, blocks: Sequence[int], token_ids: Sequence[int],
-                          hashes: Sequence[int], num_computed: int, already: int) -> int:
-        """Publish blocks [already, num_computed // block_size) in the prefix cache.
+                          hashes: list[int], num_computed: int, already: int) -> int:
+        """Publish blocks [already, num_computed // block_size) in the prefix cache, `hashes`
+        (the chain over `token_ids`' full blocks) extended in place as far as it needs: each
+        block's tokens are packed once, for its hash and its key.
 
         Returns the new count of published blocks for the caller to remember.
         """
         if not self.enable_prefix_caching:
             return already
-        upto = min(num_computed // self.block_size, len(hashes))
+        bs = self.block_size
+        upto = num_computed // bs
+        if len(hashes) < already:
+            hashes[:] = chain_hashes(token_ids[:already * bs], bs, hashes)
         stored: list[int] = []  # the blocks of this call that are newly cached
+        cached, key_of = self._cached, self._key_of
         for i in range(already, upto):
             parent = hashes[i - 1] if i else ROOT_PARENT
-            key = block_key(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            key = block_key(parent, token_ids[i * bs:(i + 1) * bs])
+            if i == len(hashes):
+                hashes.append(block_hash(*key))
             b = blocks[i]
-            if key not in self._cached and b not in self._key_of:
-                self._cached[key] = b
-                self._key_of[b] = key
+            if key not in cached and b not in key_of:
+                cached[key] = b
+                key_of[b] = key
                 stored.append(i)
         if stored and self._events is not None:
             self._events.extend(self._stored_events(stored, token_ids, hashes))

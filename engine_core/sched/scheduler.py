@@ -270,13 +270,14 @@ class Scheduler:
         return max(self.min_num_batched_tokens, min(self.max_num_batched_tokens, backlog // 4))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        running, block_size = self.running, self.blocks.block_size
-        reqs, starts, news, special = out.requests, out.starts, out.num_new, out.special
+        block_size = self.blocks.block_size
+        add_req, add_start, add_new = out.requests.append, out.starts.append, out.num_new.append
+        special = out.special
         given = budget
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            i += 1
+        # (preemption takes requests off the end of the list only, never one before `req`)
+        for req in self.running:
+            if budget <= 0:
+                break
             start = req.num_computed_tokens
             num_new = len(req.all_token_ids) - start
             # a plain decode (SchedulerOutput): its one token past a prompt done and scored
@@ -293,12 +294,12 @@ class Scheduler:
                     not self._grow_or_preempt(req, num_new, out):
                 break  # req itself was preempted: it was the newest, nothing after it
             if not plain:
-                special[len(reqs)] = Scheduled(req, start, num_new)
+                special[len(out.requests)] = Scheduled(req, start, num_new)
                 if not req.prompt_logprobs_done:
                     self._rows_left -= num_new
-            reqs.append(req)
-            starts.append(start)
-            news.append(num_new)
+            add_req(req)
+            add_start(start)
+            add_new(num_new)
             budget -= num_new
         out.num_tokens += given - budget
         return budget
@@ -483,11 +484,10 @@ class Scheduler:
         return stop
 
     def publish_computed_blocks(self, req: Request) -> None:
-        """Put the request's newly full, computed blocks into the prefix cache."""
+        """Put the request's newly full, computed blocks into the prefix cache (its hash
+        chain extended as far)."""
         if not self.blocks.enable_prefix_caching:
             return
-        req.block_hashes = chain_hashes(
-            req.all_token_ids[:req.num_computed_tokens], self.blocks.block_size, req.block_hashes)
         req.num_published_blocks = self.blocks.cache_full_blocks(
             req.block_ids, req.all_token_ids, req.block_hashes, req.num_computed_tokens,
             req.num_published_blocks)
