@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 from typing import NamedTuple
 
 import msgspec
@@ -50,6 +51,7 @@ from shared.step_outputs import Logprobs
 
 log = logging.getLogger(__name__)
 
+_EXTRAS = operator.attrgetter("sampling_extras")  # (a grammar or penalties among them)
 _GRAMMAR_WAIT_S = 0.005  # an idle step's wait for a compiling grammar: short, new input may come
 
 
@@ -238,8 +240,8 @@ class EngineCore:
             prompt_lps = (self.prompt_logprobs.score_step(self.runner.head, sched.scheduled,
                                                           plan.prompt_rows, hidden)
                           if plan.prompt_rows else {})
-        blocks_next = any(r.grammar is not None or (r.sampling_extras and r.reads_history)
-                          for r in samplers)
+        blocks_next = any(map(_EXTRAS, samplers)) and any(
+            r.grammar is not None or r.reads_history for r in samplers)
         if blocks_next and self.async_scheduling and not self._said_blocking:
             self._said_blocking = True  # e.g. a model whose defaults set repetition_penalty
             log.info("a step with a grammar or a penalty over the output: the next step waits "

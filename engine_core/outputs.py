@@ -88,7 +88,9 @@ class StepNews:
         logprobs = None
         if self.logprobs is not None and (ks >= 0).any():
             logprobs = _take_rows(self.logprobs, lp_rows[rows])
-        return pack_step([self.request_ids[r] for r in rows], tokens[rows], logprobs=logprobs,
+        ids = (self.request_ids if len(rows) == len(self.request_ids) else
+               [self.request_ids[r] for r in rows.tolist()])
+        return pack_step(ids, tokens[rows], logprobs=logprobs,
                          lp_k=ks if logprobs is not None else None,
                          prompt_logprobs=dict(sorted(prompts.items())),
                          finished=sorted(finished, key=lambda f: f.index))
