@@ -3,6 +3,7 @@ all read back by a decoder written from vLLM's schema (tests/vllm_kv_events.py).
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,7 +103,20 @@ def test_each_rank_offsets_the_port_and_a_wildcard_is_reached_on_the_engines_hos
 def ctx() -> Iterator[zmq.Context]:  # type: ignore[type-arg]
     context = zmq.Context()
     yield context
-    context.term()
+    context.destroy(linger=0)  # (a failed test may leave sockets open: never hang)
+
+
+def free_ports(n: int) -> list[int]:
+    """Ports nothing listens on now (the OS's choice; a zmq socket's unbind frees its port
+    only later, so a port taken from one may still be in use)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def subscriber(ctx: zmq.Context, address: str) -> zmq.Socket:  # type: ignore[type-arg]
@@ -173,9 +187,7 @@ def test_with_curve_keys_only_key_holders_get_the_events_and_the_replay(
     router = ctx.socket(zmq.ROUTER)
     auth = secure_server(ctx, router, keys)  # the engine's own socket starts the authenticator
     try:
-        pub_port, replay_port = (router.bind_to_random_port("tcp://127.0.0.1") for _ in "ab")
-        router.unbind(f"tcp://127.0.0.1:{pub_port}")
-        router.unbind(f"tcp://127.0.0.1:{replay_port}")
+        pub_port, replay_port = free_ports(2)
         config = parse_kv_events_config(
             f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{pub_port}", '
             f'"replay_endpoint": "tcp://*:{replay_port}"}}')
