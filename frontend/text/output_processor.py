@@ -121,6 +121,7 @@ class ChoiceProcessor:
         # generated tokens); stop strings are checked only when there are some.
         self._entries_wanted = options.logprobs is not None or options.generated_tokens
         self._has_stops = bool(options.stop)
+        self._text_only = not (self._entries_wanted or self._has_stops)  # feed's short path
 
     @property
     def finished(self) -> bool:
@@ -209,6 +210,13 @@ class ChoiceProcessor:
             return
         if token_id is not None:
             self._num_generated += 1
+            if self._text_only and finish_reason is None:  # the common step, kept short
+                text = self._detok.add(token_id)
+                if text:
+                    self._produced += len(text)
+                    self._text_out.append(text)
+                    self._released += len(text)
+                return
             if finish_reason == "stop" and not self._options.include_stop_str_in_output:
                 self._generated_text(self._detok.flush())  # the terminator comes after it all
                 if self._entries_wanted:
@@ -298,7 +306,7 @@ class ChoiceProcessor:
         """What was released since the last delta: its text and the entries it releases (all of
         them at finish), and the finish reason the first time after the choice finished."""
         out = self._text_out
-        delta = ChoiceDelta(out[0] if len(out) == 1 else "".join(out))
+        delta = ChoiceDelta(out[0] if len(out) == 1 else "".join(out), [], [], [], [], [])
         out.clear()
         if self._entries:
             self._release_entries(delta)
