@@ -283,8 +283,11 @@ class ChoiceProcessor:
             self._entries.append(_Entry(generated, offset, token, None, None))
             return
         value = float(logprob.logprob)
-        self._entries.append(_Entry(generated, offset, token, value, self._top_dict(
-            token, value, logprob.top_ids[:k], logprob.top_logprobs[:k])))
+        ids, values = logprob.top_ids, logprob.top_logprobs
+        if len(ids) > k or len(values) > k:
+            ids, values = ids[:k], values[:k]
+        self._entries.append(_Entry(generated, offset, token, value,
+                                    self._top_dict(token, value, ids, values)))
 
     def _top_dict(self, token: str, value: float, ids: Sequence[int],
                   values: Sequence[float]) -> dict[str, float]:
@@ -316,15 +319,16 @@ class ChoiceProcessor:
         return delta
 
     def _release_entries(self, delta: ChoiceDelta) -> None:
-        while self._entries and (self.finished or self._entries[0].offset < self._released):
-            entry = self._entries.popleft()
-            if entry.generated is not None:
-                delta.generated.append(entry.generated)
-            if entry.token is not None:
-                delta.tokens.append(entry.token)
-                delta.token_logprobs.append(entry.logprob)
-                delta.top_logprobs.append(entry.top)
-                delta.text_offset.append(min(entry.offset, self._released))
+        entries, released, finished = self._entries, self._released, self.finished
+        while entries and (finished or entries[0].offset < released):
+            generated, offset, token, logprob, top = entries.popleft()
+            if generated is not None:
+                delta.generated.append(generated)
+            if token is not None:
+                delta.tokens.append(token)
+                delta.token_logprobs.append(logprob)
+                delta.top_logprobs.append(top)
+                delta.text_offset.append(offset if offset < released else released)
 
 
 def merge_deltas(deltas: Iterable[ChoiceDelta]) -> ChoiceDelta:
