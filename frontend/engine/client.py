@@ -278,16 +278,16 @@ class EngineClient:
         """One StepItem per row that brings anything, straight from the columns."""
         requests, news = self._requests, self._news
         tokens = wire.read_ints(out.token_ids)
-        if not (out.lp_k or out.prompt_logprobs or out.finished):  # the common step
+        logprobs = token_logprobs(out)
+        if not (out.prompt_logprobs or out.finished):  # the common step: tokens (+ logprobs)
             timings, item = self.latency.step_timer(), tuple.__new__  # skips StepItem's __new__
-            for rid, token in zip(out.req_ids, tokens):
+            for rid, token, logprob in zip(out.req_ids, tokens, logprobs or itertools.repeat(None)):
                 entry = requests.get(rid)
                 if entry is not None and token >= 0:
                     timings(rid)
-                    entry[0].put(rid, item(StepItem, (entry[1], token, None, None, None, None,
+                    entry[0].put(rid, item(StepItem, (entry[1], token, logprob, None, None, None,
                                                       None)), news)
             return
-        logprobs = token_logprobs(out)
         prompts = {p.index: p for p in out.prompt_logprobs}
         finished = {f.index: f for f in out.finished}
         for i, rid in enumerate(out.req_ids):  # shared.step_outputs.unpack_step, inlined

@@ -102,8 +102,12 @@ class SSEWriter:
         return self.response
 
     async def done(self) -> web.StreamResponse:
-        await self.send(b"[DONE]")
-        return await self.end()
+        """Send [DONE] and end the stream (one write once the response is prepared)."""
+        if not self.started:
+            await self.send(b"[DONE]")
+            return await self.end()
+        await self._guarded(self.response.write_eof(events([b"[DONE]"])))
+        return self.response
 
     async def end(self) -> web.StreamResponse:
         """End the stream (after [DONE], or without it where the API sends none)."""
