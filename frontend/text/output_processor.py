@@ -297,7 +297,9 @@ class ChoiceProcessor:
             keys = [token_id_repr(int(i)) for i in ids]
         else:
             keys = self._token_text.strings(ids)
-        top = dict(zip(keys, map(float, values)))
+        if values and values[0].__class__ is not float:  # (the wire's columns are floats)
+            values = [float(v) for v in values]
+        top = dict(zip(keys, values))
         if len(top) < len(keys):  # a string twice: keep the first one's value
             top = {}
             for key, alternative in zip(keys, values):
