@@ -75,9 +75,11 @@ class OutputStream:
         (`take()` then raises)."""
         return not self._items and not self._open
 
-    def listen(self, listener: Callable[[], None]) -> None:
+    def listen(self, listener: Callable[[], None] | None) -> None:
         """Call `listener` soon after news arrives (items, an end, a failure) while no consumer
-        waits in `get()`: once per event-loop round, however much arrived."""
+        waits in `get()`: once per event-loop round, however much arrived. None: stop (a
+        listener is usually a method of an object that holds the stream; dropping it when done
+        leaves no reference cycle, so a finished request is freed at once, not by the GC)."""
         self._listener = listener
 
     def open(self, request_id: str) -> None:

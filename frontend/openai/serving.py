@@ -118,7 +118,7 @@ class ChoiceRun:
         """Engine outputs arrived and wait to be taken."""
         return self._stream.pending
 
-    def listen(self, listener: Callable[[], None]) -> None:
+    def listen(self, listener: Callable[[], None] | None) -> None:
         """Have `listener` called when outputs arrive while nobody awaits `next()`
         (OutputStream.listen); it takes them with `take_now()`."""
         self._stream.listen(listener)
@@ -258,10 +258,13 @@ class EventPump:
 
     async def run(self) -> None:
         self._run.listen(self._on_outputs)
-        while outputs := await self._run.next():
-            await self._sse.send_all(self._payloads(outputs))
-            if self._sse.can_write_now() and not self._run.pending and not self._run.ended:
-                await self._park()
+        try:
+            while outputs := await self._run.next():
+                await self._sse.send_all(self._payloads(outputs))
+                if self._sse.can_write_now() and not self._run.pending and not self._run.ended:
+                    await self._park()
+        finally:
+            self._run.listen(None)  # no cycle through the stream: the request is freed at once
 
     async def _park(self) -> None:
         self._parked = asyncio.get_running_loop().create_future()
