@@ -137,11 +137,15 @@ def token_logprobs(out: StepOutputs) -> list[TokenLogprob | None] | None:
     if not out.lp_k:
         return None
     ks = read_ints(out.lp_k)
-    ends = list(accumulate(max(k, 0) for k in ks))
     sampled, ranks = read_floats(out.lp_sampled), read_ints(out.lp_rank)
     ids, vals = read_ints(out.lp_top_ids), read_floats(out.lp_top_vals)
-    starts = [0, *ends[:-1]]
     new = tuple.__new__  # TokenLogprob(...) without the named tuple's __new__: per token
+    k = ks[0] if ks else 0
+    if k > 0 and ks.count(k) == len(ks):  # every row asked the same top-k (the common step)
+        return [new(TokenLogprob, (s, r, ids[a:a + k], vals[a:a + k]))
+                for s, r, a in zip(sampled, ranks, range(0, k * len(ks), k))]
+    ends = list(accumulate(max(k, 0) for k in ks))
+    starts = [0, *ends[:-1]]
     return [None if k < 0 else new(TokenLogprob, (sampled[i], ranks[i], ids[a:b], vals[a:b]))
             for i, (k, a, b) in enumerate(zip(ks, starts, ends))]
 

@@ -89,6 +89,7 @@ class EngineClient:
         self._in = InputCodec()
         self._out = OutputCodec()
         self._requests: dict[str, tuple[OutputStream, int]] = {}
+        self._news: list[OutputStream] = []  # streams routed to since the last notify
         self._calls: dict[int, asyncio.Future[wire.UtilityResult]] = {}
         self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
@@ -235,7 +236,8 @@ class EngineClient:
 
     async def _recv_loop(self) -> None:
         """Route every frame; frames already waiting are routed before anything else runs, so
-        a consumer that fell behind finds several steps at once (and merges them)."""
+        a consumer that fell behind finds several steps at once (and merges them). Then every
+        stream routed to is notified, in this one callback."""
         nowait: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
         while True:
             self._handle(await self._sock.recv())
@@ -248,8 +250,18 @@ class EngineClient:
                 self._handle(frame)
                 routed += 1
                 if routed >= MAX_DRAIN:  # let the consumers and handlers run now and then
+                    self._notify()
                     await asyncio.sleep(0)
                     routed = 0
+            self._notify()
+
+    def _notify(self) -> None:
+        news, self._news = self._news, []
+        for stream in news:
+            try:
+                stream.notify()
+            except Exception:  # one failing consumer must not keep news from the others
+                logger.exception("failed to hand engine outputs to a request")
 
     def _handle(self, frame: bytes) -> None:
         msg = self._decode(frame)
@@ -264,18 +276,18 @@ class EngineClient:
 
     def _route(self, out: wire.StepOutputs) -> None:
         """One StepItem per row that brings anything, straight from the columns."""
-        requests = self._requests
+        requests, news = self._requests, self._news
         tokens = wire.read_ints(out.token_ids)
-        if not (out.lp_k or out.prompt_logprobs or out.finished):  # the common step
+        logprobs = token_logprobs(out)
+        if not (out.prompt_logprobs or out.finished):  # the common step: tokens (+ logprobs)
             timings, item = self.latency.step_timer(), tuple.__new__  # skips StepItem's __new__
-            for rid, token in zip(out.req_ids, tokens):
+            for rid, token, logprob in zip(out.req_ids, tokens, logprobs or itertools.repeat(None)):
                 entry = requests.get(rid)
                 if entry is not None and token >= 0:
                     timings(rid)
-                    entry[0].put(rid, item(StepItem, (entry[1], token, None, None, None, None,
-                                                      None)))
+                    entry[0].put(rid, item(StepItem, (entry[1], token, logprob, None, None, None,
+                                                      None)), news)
             return
-        logprobs = token_logprobs(out)
         prompts = {p.index: p for p in out.prompt_logprobs}
         finished = {f.index: f for f in out.finished}
         for i, rid in enumerate(out.req_ids):  # shared.step_outputs.unpack_step, inlined
@@ -305,7 +317,7 @@ class EngineClient:
         stream.put(rid, StepItem(choice, token, logprob, prompt_logprobs,
                                  fin.reason if fin else None,
                                  fin.stop_token_id if fin else None,
-                                 fin.message if fin else None))
+                                 fin.message if fin else None), self._news)
 
     def _resolve_call(self, result: wire.UtilityResult) -> None:
         if result.progress is not None:

@@ -10,8 +10,10 @@ before it runs is handed over together, and a consumer that is behind catches up
 wake-up (docs/architecture.md, "Output merging").
 
 A consumer may also `listen`: while it is not waiting in `get()`, news makes the stream call
-its listener once, soon (in the event loop's next round, after the routing task has routed
-every frame already received), and the listener `take()`s what arrived without a task switch.
+its listener once, after the routing task has routed every frame already received, and the
+listener `take()`s what arrived without a task switch. The routing task puts rows into a
+`news` list (`put(..., news=...)`) and, once every waiting frame is routed, `notify()`s each
+stream in it: one synchronous call per stream per engine wake-up, no event-loop callback.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class OutputStream:
     """
 
     # (__weakref__: EngineGroup maps a stream to its engine in a WeakKeyDictionary)
-    __slots__ = ("_items", "_open", "_waiter", "_error", "_listener", "_called", "__weakref__")
+    __slots__ = ("_items", "_open", "_waiter", "_error", "_listener", "_called", "_in_news",
+                 "__weakref__")
 
     def __init__(self) -> None:
         self._items: list[StepItem] = []
@@ -54,6 +57,7 @@ class OutputStream:
         self._error: Exception | None = None
         self._listener: Callable[[], None] | None = None
         self._called = False  # the listener's call is scheduled
+        self._in_news = False  # in a routing task's news list, to be notified
 
     @property
     def unfinished(self) -> list[str]:
@@ -71,9 +75,11 @@ class OutputStream:
         (`take()` then raises)."""
         return not self._items and not self._open
 
-    def listen(self, listener: Callable[[], None]) -> None:
+    def listen(self, listener: Callable[[], None] | None) -> None:
         """Call `listener` soon after news arrives (items, an end, a failure) while no consumer
-        waits in `get()`: once per event-loop round, however much arrived."""
+        waits in `get()`: once per event-loop round, however much arrived. None: stop (a
+        listener is usually a method of an object that holds the stream; dropping it when done
+        leaves no reference cycle, so a finished request is freed at once, not by the GC)."""
         self._listener = listener
 
     def open(self, request_id: str) -> None:
@@ -83,11 +89,29 @@ class OutputStream:
         self._open.discard(request_id)
         self._wake()
 
-    def put(self, request_id: str, item: StepItem) -> None:
+    def put(self, request_id: str, item: StepItem,
+            news: list[OutputStream] | None = None) -> None:
+        """Add an item and wake the consumer soon; with `news`, enter that list instead (once)
+        and leave the waking to the caller's `notify()`."""
         self._items.append(item)
         if item.finish_reason is not None:
             self._open.discard(request_id)
-        self._wake()
+        if news is None:
+            self._wake()
+        elif not self._in_news:
+            self._in_news = True
+            news.append(self)
+
+    def notify(self) -> None:
+        """Tell the consumer, now, about what was put with `news`: wake a waiting `get()`, or
+        call the listener (synchronously)."""
+        self._in_news = False
+        waiter = self._waiter
+        if waiter is not None:
+            if not waiter.done():
+                waiter.set_result(None)
+        elif self._listener is not None:
+            self._listener()
 
     def fail(self, exc: Exception) -> None:
         self._error = exc

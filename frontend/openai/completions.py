@@ -104,6 +104,8 @@ class ChunkTemplate:
     CompletionStreamChunk the same delta makes (the field order of protocol.py)."""
 
     _PLAIN_TAIL = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]'
+    _END = b',"object":"text_completion"}'
+    _PLAIN_END = _PLAIN_TAIL + b',"usage":null' + _END  # no logprobs, no finish, no usage
 
     def __init__(self, request_id: str, created: int, model: str, with_logprobs: bool) -> None:
         encode = msgspec.json.encode
@@ -118,6 +120,8 @@ class ChunkTemplate:
         if head is None:
             head = self._heads[index] = self._head + str(index).encode() + b',"text":'
         encode = self._encode
+        if usage is None and not self._with_logprobs and delta.finish_reason is None:
+            return head + encode(delta.text) + self._PLAIN_END
         if self._with_logprobs or delta.finish_reason is not None:
             logprobs = b"null"
             if self._with_logprobs:
@@ -129,8 +133,7 @@ class ChunkTemplate:
         else:
             tail = self._PLAIN_TAIL
         usage_json = b"null" if usage is None else encode(usage)
-        return (head + encode(delta.text) + tail + b',"usage":' + usage_json
-                + b',"object":"text_completion"}')
+        return head + encode(delta.text) + tail + b',"usage":' + usage_json + self._END
 
 
 def to_choice(index: int, deltas: Sequence[ChoiceDelta], with_logprobs: bool) -> CompletionChoice:

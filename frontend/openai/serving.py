@@ -118,7 +118,7 @@ class ChoiceRun:
         """Engine outputs arrived and wait to be taken."""
         return self._stream.pending
 
-    def listen(self, listener: Callable[[], None]) -> None:
+    def listen(self, listener: Callable[[], None] | None) -> None:
         """Have `listener` called when outputs arrive while nobody awaits `next()`
         (OutputStream.listen); it takes them with `take_now()`."""
         self._stream.listen(listener)
@@ -148,33 +148,36 @@ class ChoiceRun:
 
     def _advance(self, batch: list[StepItem]) -> list[ChoiceOutput]:
         """Feed the batch to the choices' processors; one delta per choice that is due."""
+        choices, held = self._choices, self._held
         touched: list[int] = []
-        for item in batch:
-            index = item.choice
-            choice = self._choices[index]
+        for index, token_id, logprob, prompt_logprobs, finish_reason, stop_token_id, error in batch:
+            choice = choices[index]
             proc = choice.processor
             if proc.finished:  # stopped by a string: what was already in flight is dropped
                 continue
-            if item.finish_reason == "error":
-                raise EngineRequestError(item.error or "the engine could not run this request")
+            if finish_reason is not None and finish_reason == "error":
+                raise EngineRequestError(error or "the engine could not run this request")
             if not choice.started:
                 choice.started = True
-                proc.feed_prompt(item.prompt_logprobs)
-            if item.token_id is not None or item.finish_reason is not None:
-                proc.feed(item.token_id, item.logprob, item.finish_reason, item.stop_token_id)
-                self._held[index] += item.token_id is not None
+                proc.feed_prompt(prompt_logprobs)
+            if token_id is not None:
+                proc.feed(token_id, logprob, finish_reason, stop_token_id)
+                held[index] += 1
+            elif finish_reason is not None:
+                proc.feed(None, None, finish_reason, stop_token_id)
             if proc.stopped_by_string:
                 self._client.abort([choice.request_id], stopped=True)
             if not touched or touched[-1] != index:
                 touched.append(index)
         if len(touched) > 1:
             touched = list(dict.fromkeys(touched))
+        if self._interval == 1:
+            return [ChoiceOutput(i, self._take_delta(i)) for i in touched]
         return [ChoiceOutput(i, self._take_delta(i)) for i in touched if self._due(i)]
 
     def _due(self, index: int) -> bool:
         """vLLM's stream interval: the first output at once, then every `interval` tokens."""
-        return (self._interval == 1 or not self._sent[index]
-                or self._held[index] >= self._interval
+        return (not self._sent[index] or self._held[index] >= self._interval
                 or self._choices[index].processor.finished)
 
     def _take_delta(self, index: int) -> ChoiceDelta:
@@ -255,10 +258,13 @@ class EventPump:
 
     async def run(self) -> None:
         self._run.listen(self._on_outputs)
-        while outputs := await self._run.next():
-            await self._sse.send_all(self._payloads(outputs))
-            if self._sse.can_write_now() and not self._run.pending and not self._run.ended:
-                await self._park()
+        try:
+            while outputs := await self._run.next():
+                await self._sse.send_all(self._payloads(outputs))
+                if self._sse.can_write_now() and not self._run.pending and not self._run.ended:
+                    await self._park()
+        finally:
+            self._run.listen(None)  # no cycle through the stream: the request is freed at once
 
     async def _park(self) -> None:
         self._parked = asyncio.get_running_loop().create_future()
@@ -271,20 +277,24 @@ class EventPump:
         parked = self._parked
         if parked is None or parked.done():  # the task is at work: it takes them itself
             return
+        sse, run = self._sse, self._run
         try:
-            if not self._sse.can_write_now():  # a backlog, or a closed connection
+            if not sse.can_write_now():  # a backlog, or a closed connection
                 parked.set_result(None)
                 return
-            self._sse.write_now(self._payloads(self._run.take_now()))
-            if self._run.ended:
+            if outputs := run.take_now():
+                sse.write_now(self._payloads(outputs))
+            if run.ended:
                 parked.set_result(None)
         except Exception as exc:  # noqa: BLE001 - the task raises it (an engine error...)
             parked.set_exception(exc)
 
     def _payloads(self, outputs: list[ChoiceOutput]) -> list[bytes]:
-        encode = self._sse.encode
-        return [encode(chunk) for index, delta in outputs
-                for chunk in self._chunks_of(index, delta)]
+        encode, chunks_of = self._sse.encode, self._chunks_of
+        if len(outputs) == 1:  # the common case: one choice
+            index, delta = outputs[0]
+            return [encode(chunk) for chunk in chunks_of(index, delta)]
+        return [encode(chunk) for index, delta in outputs for chunk in chunks_of(index, delta)]
 
 
 def json_response(payload: Any) -> web.Response:

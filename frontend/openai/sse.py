@@ -34,7 +34,9 @@ class StalledClientError(ClientGoneError):
 
 def events(payloads: Sequence[bytes]) -> bytes:
     """Server-sent events of JSON payloads, back to back."""
-    return b"".join(b"data: " + p + b"\n\n" for p in payloads)
+    if len(payloads) == 1:
+        return b"data: %b\n\n" % payloads[0]
+    return b"".join([b"data: %b\n\n" % p for p in payloads])
 
 
 class SSEWriter:
@@ -86,6 +88,10 @@ class SSEWriter:
             return
         transport = self._transport
         assert transport is not None
+        if self._chunked and len(payloads) == 1:  # one event, framed in one go
+            payload = payloads[0]
+            transport.write(b"%x\r\ndata: %b\n\n\r\n" % (len(payload) + 8, payload))
+            return
         data = events(payloads)
         transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
 
@@ -96,8 +102,12 @@ class SSEWriter:
         return self.response
 
     async def done(self) -> web.StreamResponse:
-        await self.send(b"[DONE]")
-        return await self.end()
+        """Send [DONE] and end the stream (one write once the response is prepared)."""
+        if not self.started:
+            await self.send(b"[DONE]")
+            return await self.end()
+        await self._guarded(self.response.write_eof(events([b"[DONE]"])))
+        return self.response
 
     async def end(self) -> web.StreamResponse:
         """End the stream (after [DONE], or without it where the API sends none)."""

@@ -9,6 +9,9 @@ piece by piece, at the cost of a list lookup per token instead of two Rust decod
 (DecodeStream's step) — what every streamed token of Llama 3, Qwen2 and GPT-style models costs.
 
 One `BytePieces` per tokenizer, shared by every request; entries are filled as tokens are seen.
+An entry is kept as text when the token's bytes are valid UTF-8 on their own (most tokens):
+with nothing pending, an incremental UTF-8 decoder turns them into exactly that text, so the
+detokenizer returns it without decoding anything (`text`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ class BytePieces:
         self._backend = backend
         added = backend.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, token in added.items() if token.special)
-        self._pieces: list[bytes | None] = [None] * backend.get_vocab_size(with_added_tokens=True)
+        size = backend.get_vocab_size(with_added_tokens=True)
+        self._entries: list[str | bytes | None] = [None] * size  # str: valid UTF-8 alone
 
     @staticmethod
     def of(tokenizer: Any) -> BytePieces | None:
@@ -44,15 +48,38 @@ class BytePieces:
     def get(self, token_id: int) -> bytes:
         """The bytes of `token_id` in a decode that keeps special tokens (b"" for an id the
         tokenizer does not know, which decode leaves out)."""
-        pieces = self._pieces
-        if 0 <= token_id < len(pieces):
-            piece = pieces[token_id]
-            if piece is None:
-                piece = pieces[token_id] = self._compute(token_id)
-            return piece
+        entry = self._entry(token_id)
+        return entry.encode("utf-8") if isinstance(entry, str) else entry
+
+    def text(self, token_id: int) -> str | None:
+        """`get(token_id)` decoded, when those bytes are valid UTF-8 on their own; else None
+        (a piece of a character, or bytes that are not UTF-8)."""
+        entries = self._entries
+        if 0 <= token_id < len(entries):
+            entry = entries[token_id]
+            if entry is None:
+                entry = entries[token_id] = self._compute(token_id)
+        else:
+            entry = self._compute(token_id) if token_id >= 0 else ""
+        return entry if isinstance(entry, str) else None
+
+    def _entry(self, token_id: int) -> str | bytes:
+        entries = self._entries
+        if 0 <= token_id < len(entries):
+            entry = entries[token_id]
+            if entry is None:
+                entry = entries[token_id] = self._compute(token_id)
+            return entry
         return self._compute(token_id) if token_id >= 0 else b""
 
-    def _compute(self, token_id: int) -> bytes:
+    def _compute(self, token_id: int) -> str | bytes:
+        raw = self._raw(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return raw
+
+    def _raw(self, token_id: int) -> bytes:
         token = self._backend.id_to_token(token_id)
         if token is None:
             return b""

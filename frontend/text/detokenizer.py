@@ -93,11 +93,13 @@ class IncrementalDetokenizer:
         """
         held_before = self._held_text
         if self._pieces is not None:
+            if not held_before:  # nothing pending: a token that is text alone is that text
+                text = "" if token_id in self._skipped else self._pieces.text(token_id)
+                if text is not None:
+                    self.last_token_start = 0
+                    return text
             piece = b"" if token_id in self._skipped else self._pieces.get(token_id)
             text = self._utf8.decode(piece)
-            if not held_before and piece and piece[-1] < 0x80:  # ends in ASCII: nothing held
-                self.last_token_start = 0
-                return text
             pending = self._utf8.getstate()[0]
             self._held_text = pending.decode("utf-8", "replace") if pending else ""
             self.last_token_start = (

@@ -121,6 +121,7 @@ class ChoiceProcessor:
         # generated tokens); stop strings are checked only when there are some.
         self._entries_wanted = options.logprobs is not None or options.generated_tokens
         self._has_stops = bool(options.stop)
+        self._text_only = not (self._entries_wanted or self._has_stops)  # feed's short path
 
     @property
     def finished(self) -> bool:
@@ -209,6 +210,13 @@ class ChoiceProcessor:
             return
         if token_id is not None:
             self._num_generated += 1
+            if self._text_only and finish_reason is None:  # the common step, kept short
+                text = self._detok.add(token_id)
+                if text:
+                    self._produced += len(text)
+                    self._text_out.append(text)
+                    self._released += len(text)
+                return
             if finish_reason == "stop" and not self._options.include_stop_str_in_output:
                 self._generated_text(self._detok.flush())  # the terminator comes after it all
                 if self._entries_wanted:
@@ -275,8 +283,11 @@ class ChoiceProcessor:
             self._entries.append(_Entry(generated, offset, token, None, None))
             return
         value = float(logprob.logprob)
-        self._entries.append(_Entry(generated, offset, token, value, self._top_dict(
-            token, value, logprob.top_ids[:k], logprob.top_logprobs[:k])))
+        ids, values = logprob.top_ids, logprob.top_logprobs
+        if len(ids) > k or len(values) > k:
+            ids, values = ids[:k], values[:k]
+        self._entries.append(_Entry(generated, offset, token, value,
+                                    self._top_dict(token, value, ids, values)))
 
     def _top_dict(self, token: str, value: float, ids: Sequence[int],
                   values: Sequence[float]) -> dict[str, float]:
@@ -286,7 +297,9 @@ class ChoiceProcessor:
             keys = [token_id_repr(int(i)) for i in ids]
         else:
             keys = self._token_text.strings(ids)
-        top = dict(zip(keys, map(float, values)))
+        if values and values[0].__class__ is not float:  # (the wire's columns are floats)
+            values = [float(v) for v in values]
+        top = dict(zip(keys, values))
         if len(top) < len(keys):  # a string twice: keep the first one's value
             top = {}
             for key, alternative in zip(keys, values):
@@ -298,7 +311,7 @@ class ChoiceProcessor:
         """What was released since the last delta: its text and the entries it releases (all of
         them at finish), and the finish reason the first time after the choice finished."""
         out = self._text_out
-        delta = ChoiceDelta(out[0] if len(out) == 1 else "".join(out))
+        delta = ChoiceDelta(out[0] if len(out) == 1 else "".join(out), [], [], [], [], [])
         out.clear()
         if self._entries:
             self._release_entries(delta)
@@ -308,15 +321,16 @@ class ChoiceProcessor:
         return delta
 
     def _release_entries(self, delta: ChoiceDelta) -> None:
-        while self._entries and (self.finished or self._entries[0].offset < self._released):
-            entry = self._entries.popleft()
-            if entry.generated is not None:
-                delta.generated.append(entry.generated)
-            if entry.token is not None:
-                delta.tokens.append(entry.token)
-                delta.token_logprobs.append(entry.logprob)
-                delta.top_logprobs.append(entry.top)
-                delta.text_offset.append(min(entry.offset, self._released))
+        entries, released, finished = self._entries, self._released, self.finished
+        while entries and (finished or entries[0].offset < released):
+            generated, offset, token, logprob, top = entries.popleft()
+            if generated is not None:
+                delta.generated.append(generated)
+            if token is not None:
+                delta.tokens.append(token)
+                delta.token_logprobs.append(logprob)
+                delta.top_logprobs.append(top)
+                delta.text_offset.append(offset if offset < released else released)
 
 
 def merge_deltas(deltas: Iterable[ChoiceDelta]) -> ChoiceDelta:

@@ -66,6 +66,21 @@ def test_columns_written_by_hand_read_as_packed() -> None:
         out.lp_k, out.lp_top_ids, out.lp_top_vals)
 
 
+def test_rows_with_one_top_k_read_as_rows_with_mixed_ones() -> None:
+    """The common step (every row asked the same k) takes a shortcut: same rows."""
+    ids, vals = list(range(6)), [-0.5 * i for i in range(6)]
+    same = StepOutputs(["a", "b", "c"], ints([1, 2, 3]), lp_k=ints([2, 2, 2]),
+                       lp_sampled=floats([-1, -2, -3]), lp_rank=ints([1, 2, 3]),
+                       lp_top_ids=ints(ids), lp_top_vals=floats(vals))
+    assert [r.logprob for r in unpack_step(same)] == [
+        TokenLogprob(-1.0 - i, 1 + i, ids[2 * i:2 * i + 2], vals[2 * i:2 * i + 2])
+        for i in range(3)]
+    zero = StepOutputs(["a", "b"], ints([1, 2]), lp_k=ints([0, 0]), lp_sampled=floats([-1, -2]),
+                       lp_rank=ints([1, 2]))
+    assert [r.logprob for r in unpack_step(zero)] == [TokenLogprob(-1.0, 1, [], []),
+                                                      TokenLogprob(-2.0, 2, [], [])]
+
+
 def test_logprobs_take_and_concat() -> None:
     lps = Logprobs(np.float32([1, 2, 3]), np.int32([1, 2, 3]), np.arange(9).reshape(3, 3),
                    np.zeros((3, 3), np.float32))

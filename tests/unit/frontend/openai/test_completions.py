@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -10,7 +11,9 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
+from frontend.engine.stream import OutputStream
 from frontend.server import init_app
+from frontend.text.output_processor import ChoiceProcessor
 from tests.unit.fake_engine import FakeEngine, cached_tokenizer, frontend_config, sse_events
 
 Client = TestClient  # type: ignore[type-arg]
@@ -315,3 +318,22 @@ async def test_merged_steps_make_one_chunk_each(make_client: MakeClient) -> None
     events = await stream(client, prompt="Hello world", max_tokens=9, logprobs=0)
     counts = chunk_tokens(events)
     assert sum(counts) == 9 and all(n >= 2 for n in counts[:-1]), counts
+
+
+async def test_a_finished_stream_leaves_no_reference_cycle(client: Client) -> None:
+    """A streamed request's state (its processors, stream, pump) is freed by reference counting
+    when it ends, not left for the garbage collector (whose passes over it cost the frontend)."""
+    await stream(client, prompt="Hello world", max_tokens=4, n=2, logprobs=1, echo=True)
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        await stream(client, prompt="Hello world", max_tokens=4, n=2, logprobs=1, echo=True)
+        await asyncio.sleep(0.05)  # let the handler finish
+        gc.collect()
+        left = [o for o in gc.garbage if isinstance(o, (OutputStream, ChoiceProcessor))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == []
