@@ -54,13 +54,7 @@ class BytePieces:
     def text(self, token_id: int) -> str | None:
         """`get(token_id)` decoded, when those bytes are valid UTF-8 on their own; else None
         (a piece of a character, or bytes that are not UTF-8)."""
-        entries = self._entries
-        if 0 <= token_id < len(entries):
-            entry = entries[token_id]
-            if entry is None:
-                entry = entries[token_id] = self._compute(token_id)
-        else:
-            entry = self._compute(token_id) if token_id >= 0 else ""
+        entry = self._entry(token_id)
         return entry if isinstance(entry, str) else None
 
     def _entry(self, token_id: int) -> str | bytes:
@@ -70,7 +64,7 @@ class BytePieces:
             if entry is None:
                 entry = entries[token_id] = self._compute(token_id)
             return entry
-        return self._compute(token_id) if token_id >= 0 else b""
+        return self._compute(token_id) if token_id >= 0 else ""
 
     def _compute(self, token_id: int) -> str | bytes:
         raw = self._raw(token_id)
