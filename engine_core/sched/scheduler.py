@@ -102,9 +102,6 @@ class SchedulerOutput:
         self.starts.append(s.start)
         self.num_new.append(s.num_new)
 
-    def __len__(self) -> int:
-        return len(self.requests)
-
     @property
     def scheduled(self) -> list[Scheduled]:
         special = self.special
@@ -405,7 +402,10 @@ class Scheduler:
         `placeholders`, a placeholder token (its row in the step's samples) for each sampler."""
         finished, block_size, stats = Status.FINISHED, self.blocks.block_size, self.stats
         caching, special = self.blocks.enable_prefix_caching, out.special
-        rows = _sample_rows(out) if placeholders and special else None
+        rows = None  # each item's row in the step's samples, where not simply its index
+        if placeholders and special:
+            samples = out.columns()[2]
+            rows = (np.cumsum(samples) - 1).tolist()
         for i, req in enumerate(out.requests):
             if req.status is finished:
                 continue
@@ -491,20 +491,6 @@ class Scheduler:
         req.num_published_blocks = self.blocks.cache_full_blocks(
             req.block_ids, req.all_token_ids, req.block_hashes, req.num_computed_tokens,
             req.num_published_blocks)
-
-
-def _sample_rows(out: SchedulerOutput) -> list[int]:
-    """Each item's row in the step's samples (-1 for an item that samples nothing)."""
-    rows, row = [], 0
-    special = out.special
-    for i in range(len(out.requests)):
-        s = special.get(i)
-        if s is None or s.samples:
-            rows.append(row)
-            row += 1
-        else:
-            rows.append(-1)
-    return rows
 
 
 def _grammar_stop(req: Request, token: int, stop: Stop | None) -> Stop | None:
