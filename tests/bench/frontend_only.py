@@ -501,7 +501,7 @@ def run(args: argparse.Namespace, log_dir: Path, children: Children) -> list[Row
         ],
     )
     address = children.wait_ready("engine", engine_proc, engine_ready)
-    workloads = [PLAIN] + ([] if args.no_echo_logprobs else [ECHO_LP])
+    workloads = [w for w in (PLAIN, ECHO_LP) if w.name in args.workloads]
     # Every group of frontends (one port each) runs from the start and the groups take turns
     # per workload, so that drift in the machine's other load hits them alike; an idle group
     # costs only its heartbeats.
@@ -567,6 +567,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--no-echo-logprobs", action="store_true", help="skip the echo + logprobs 5 workload"
     )
     parser.add_argument(
+        "--workloads", nargs="+", choices=[PLAIN.name, ECHO_LP.name],
+        default=[PLAIN.name, ECHO_LP.name], help="the workloads to run (default: both)")
+    parser.add_argument(
         "--frontend-repo", type=Path, default=REPO,
         help="run the frontends from this checkout of Tandem (e.g. `git worktree add /tmp/base "
              "main`), for before/after figures in the same conditions (default: this one)")
@@ -574,6 +577,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--frontend-args", default="",
         help='more flags for every frontend, as one string (e.g. "--stream-interval 2")')
     args = parser.parse_args(argv)
+    if args.no_echo_logprobs:
+        args.workloads = [w for w in args.workloads if w != ECHO_LP.name]
+    if not args.workloads:
+        parser.error("no workload left to run")
     for name in ("num_prompts", "input_len", "output_len", "max_concurrency", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
