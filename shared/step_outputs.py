@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from itertools import accumulate
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, overload
 
 from shared.messages import Finished, PromptLogprobs, StepOutputs, read_floats, read_ints
 
@@ -73,7 +73,7 @@ class OutputRow(NamedTuple):
     request_id: str
     token_id: int | None  # None: no token this step (a prefill chunk, or a finish alone)
     logprob: TokenLogprob | None
-    prompt_logprobs: list[TokenLogprob] | None  # prompt tokens 1..P-1, once, when asked
+    prompt_logprobs: PromptRows | None  # prompt tokens 1..P-1, once, when asked
     finish: Finished | None
 
 
@@ -150,10 +150,39 @@ def token_logprobs(out: StepOutputs) -> list[TokenLogprob | None] | None:
             for i, (k, a, b) in enumerate(zip(ks, starts, ends))]
 
 
-def prompt_rows(plp: PromptLogprobs) -> list[TokenLogprob]:
-    """Prompt tokens 1..P-1, one TokenLogprob each."""
-    logprobs, ranks = read_floats(plp.logprobs), read_ints(plp.ranks)
-    ids, vals, k = read_ints(plp.top_ids), read_floats(plp.top_logprobs), plp.k
-    new = tuple.__new__  # TokenLogprob(...) without the named tuple's __new__: per token
-    return [new(TokenLogprob, (lp, rank, ids[i * k:(i + 1) * k], vals[i * k:(i + 1) * k]))
-            for i, (lp, rank) in enumerate(zip(logprobs, ranks))]
+class PromptRows(Sequence[TokenLogprob]):
+    """Prompt tokens 1..P-1's logprobs as the wire's columns (plain Python lists), read as one
+    TokenLogprob per token on demand: a reader that takes them all at once (the echo of a
+    prompt) uses the columns and builds no per-token rows."""
+
+    __slots__ = ("logprobs", "ranks", "top_ids", "top_logprobs", "k")
+
+    def __init__(self, logprobs: list[float], ranks: list[int], top_ids: list[int],
+                 top_logprobs: list[float], k: int) -> None:
+        self.logprobs = logprobs
+        self.ranks = ranks
+        self.top_ids = top_ids  # k per token, back to back
+        self.top_logprobs = top_logprobs
+        self.k = k
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    @overload
+    def __getitem__(self, i: int) -> TokenLogprob: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[TokenLogprob]: ...
+    def __getitem__(self, i: int | slice) -> TokenLogprob | list[TokenLogprob]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self.logprobs)
+        k = self.k
+        return TokenLogprob(self.logprobs[i], self.ranks[i], self.top_ids[i * k:(i + 1) * k],
+                            self.top_logprobs[i * k:(i + 1) * k])
+
+
+def prompt_rows(plp: PromptLogprobs) -> PromptRows:
+    """Prompt tokens 1..P-1, one TokenLogprob each (read from the columns on demand)."""
+    return PromptRows(read_floats(plp.logprobs), read_ints(plp.ranks), read_ints(plp.top_ids),
+                      read_floats(plp.top_logprobs), plp.k)

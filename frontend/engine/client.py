@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Sequence
 from typing import cast
 
 import msgspec
@@ -302,7 +303,7 @@ class EngineClient:
                             None if plp is None else prompt_rows(plp), fin)
 
     def _route_row(self, rid: str, entry: tuple[OutputStream, int], token: int | None,
-                   logprob: TokenLogprob | None, prompt_logprobs: list[TokenLogprob] | None,
+                   logprob: TokenLogprob | None, prompt_logprobs: Sequence[TokenLogprob] | None,
                    fin: wire.Finished | None) -> None:
         stream, choice = entry
         self.latency.on_output(rid, token is not None, fin.reason if fin else None)

@@ -19,7 +19,7 @@ stream in it: one synchronous call per stream per engine wake-up, no event-loop 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from shared.messages import FinishReason
@@ -32,7 +32,7 @@ class StepItem(NamedTuple):
     choice: int  # the caller's index for this request within its OutputStream
     token_id: int | None  # None: no token sampled this step (prefill only, or finished)
     logprob: TokenLogprob | None
-    prompt_logprobs: list[TokenLogprob] | None  # prompt tokens 1..P-1, once, when asked
+    prompt_logprobs: Sequence[TokenLogprob] | None  # prompt tokens 1..P-1, once, when asked
     finish_reason: FinishReason | None
     stop_token_id: int | None = None
     error: str | None = None  # the engine's message with finish_reason "error"

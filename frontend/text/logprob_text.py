@@ -75,14 +75,30 @@ class TokenTextCache:
 
     def strings(self, token_ids: Sequence[int]) -> list[str]:
         """`get` of each id (for a row of top alternatives, at the cost of one lookup)."""
-        cache = self._cache
         try:
-            found = [cache[i] for i in token_ids]
+            found = list(map(self._cache.__getitem__, token_ids))
         except (IndexError, TypeError):  # an id outside the vocabulary (or not an int)
             return [self.get(int(i)) for i in token_ids]
         if None in found:
             return [self.get(int(i)) for i in token_ids]
         return found  # type: ignore[return-value]  # no None left
+
+    def top_dict(self, token: str, value: float, ids: Sequence[int],
+                 values: Sequence[float]) -> dict[str, float]:
+        """A token's top alternatives by string (OpenAI's `top_logprobs` entry), the token
+        itself added when it is not among them; when two ids have the same string, the first
+        (likelier) one's value counts. In one pass when every string is cached and distinct."""
+        top: dict[str | None, float]
+        try:
+            top = dict(zip(map(self._cache.__getitem__, ids), values))
+        except (IndexError, TypeError):  # an id outside the vocabulary (or not an int)
+            top = {}
+        if len(top) < len(ids) or None in top:  # a string twice, or one not cached yet
+            top = {}
+            for key, alternative in zip(self.strings(ids), values):
+                top.setdefault(key, alternative)
+        top.setdefault(token, value)
+        return top  # type: ignore[return-value]  # no None left
 
     def _compute(self, token_id: int) -> str:
         text: str = self._tokenizer.decode([token_id], skip_special_tokens=False)

@@ -20,13 +20,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, NamedTuple
 
 from frontend.text.byte_pieces import BytePieces
 from frontend.text.detokenizer import IncrementalDetokenizer
 from frontend.text.logprob_text import TokenTextCache, token_id_repr
 from frontend.text.stop_strings import StopStringChecker
-from shared.step_outputs import TokenLogprob
+from shared.step_outputs import PromptRows, TokenLogprob
 
 __all__ = ["ChoiceDelta", "ChoiceProcessor", "GeneratedToken", "OutputOptions", "merge_deltas"]
 
@@ -81,12 +82,12 @@ class ChoiceDelta:
         return not self.text and no_entries and self.finish_reason is None
 
 
-class _Entry(NamedTuple):
-    generated: GeneratedToken | None  # None for a prompt token (echo)
-    offset: int  # where the token's text starts in `full` (before any clamping)
-    token: str | None  # None when logprobs were not asked
-    logprob: float | None
-    top: dict[str, float] | None
+# A token's entry, waiting for its text: (generated, offset, token, logprob, top). `generated` is
+# None for a prompt token (echo); `offset` is where the token's text starts in `full` (before any
+# clamping); `token`, `logprob` and `top` are None when logprobs were not asked (`logprob` and
+# `top` also for the prompt's first token). A plain tuple, so that a prompt's entries are made
+# in one go (zip) rather than one constructor call each.
+_Entry = tuple[GeneratedToken | None, int, str | None, float | None, dict[str, float] | None]
 
 
 class ChoiceProcessor:
@@ -161,14 +162,62 @@ class ChoiceProcessor:
             self._produced = self._released
 
     def _echo_tokens(self, prompt_logprobs: Sequence[TokenLogprob] | None) -> None:
-        """The prompt decoded token by token, so that each token's offset is known."""
-        detok = self._detokenizer()
-        for i, token_id in enumerate(self._prompt_ids):
-            logprob = None if i == 0 or prompt_logprobs is None else prompt_logprobs[i - 1]
+        """The prompt decoded token by token, so that each token's offset is known; then every
+        prompt token's entry at once (from the columns, when they come as PromptRows)."""
+        ids, detok, emit = self._prompt_ids, self._detokenizer(), self._emit
+        offsets = []
+        for token_id in ids:
             released, text = self._released, detok.add(token_id)
-            self._queue(token_id, logprob, released + detok.last_token_start, None)
-            self._emit(text)
-        self._emit(detok.flush())
+            offsets.append(released + detok.last_token_start)
+            if text:
+                emit(text)
+        emit(detok.flush())
+        if prompt_logprobs is not None and (not isinstance(prompt_logprobs, PromptRows)
+                                            or len(prompt_logprobs) != len(ids) - 1):
+            for i, (token_id, offset) in enumerate(zip(ids, offsets)):
+                self._queue(token_id, None if i == 0 else prompt_logprobs[i - 1], offset, None)
+            return
+        tokens = self._token_strings(ids)
+        if prompt_logprobs is None or not ids:
+            self._entries.extend(zip(repeat(None), offsets, tokens, repeat(None), repeat(None)))
+            return
+        values = prompt_logprobs.logprobs
+        tops = self._top_dicts(tokens[1:], values, prompt_logprobs.top_ids,
+                               prompt_logprobs.top_logprobs, prompt_logprobs.k)
+        self._entries.append((None, offsets[0], tokens[0], None, None))
+        self._entries.extend(zip(repeat(None), offsets[1:], tokens[1:], values, tops))
+
+    def _token_strings(self, ids: Sequence[int]) -> list[str]:
+        if self._options.return_tokens_as_token_ids:
+            return [token_id_repr(int(i)) for i in ids]
+        return self._token_text.strings(ids)
+
+    def _top_dicts(self, tokens: list[str], values: list[float], top_ids: list[int],
+                   top_values: list[float], width: int) -> list[dict[str, float]]:
+        """TokenTextCache.top_dict of each token, its alternatives `width` a row in the flat
+        columns (the rows made by zip and map, not one Python step per row: a prompt has many)."""
+        k = self._options.logprobs
+        assert k is not None
+        keep = min(k, width)
+        if keep == 0:
+            tops: list[dict[str, float]] = [{} for _ in tokens]
+        else:
+            keys = self._token_strings(top_ids)
+            if keep < width:
+                keys = [key for row in range(0, len(keys), width) for key in keys[row:row + keep]]
+                top_values = [v for row in range(0, len(top_values), width)
+                              for v in top_values[row:row + keep]]
+            key_rows = list(zip(*[iter(keys)] * keep))
+            value_rows = list(zip(*[iter(top_values)] * keep))
+            tops = list(map(dict, map(zip, key_rows, value_rows)))
+            if min(map(len, tops), default=keep) < keep:  # a string twice: the first one's value
+                for row, top in enumerate(tops):
+                    if len(top) < keep:
+                        top.clear()
+                        for key, alternative in zip(key_rows[row], value_rows[row]):
+                            top.setdefault(key, alternative)
+        deque(map(dict.setdefault, tops, tokens, values), maxlen=0)  # the token itself, if not in
+        return tops
 
     def _detokenizer(self, context_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(
@@ -273,39 +322,26 @@ class ChoiceProcessor:
         """Queue the token's entry; `offset` is where its text starts in `full`."""
         k = self._options.logprobs
         if k is None:
-            self._entries.append(_Entry(generated, offset, None, None, None))
+            self._entries.append((generated, offset, None, None, None))
             return
-        if self._options.return_tokens_as_token_ids:
-            token = token_id_repr(token_id)
-        else:
-            token = self._token_text.get(token_id)
+        as_ids = self._options.return_tokens_as_token_ids
+        token = token_id_repr(token_id) if as_ids else self._token_text.get(token_id)
         if logprob is None:
-            self._entries.append(_Entry(generated, offset, token, None, None))
+            self._entries.append((generated, offset, token, None, None))
             return
-        value = float(logprob.logprob)
-        ids, values = logprob.top_ids, logprob.top_logprobs
+        value, ids, values = float(logprob.logprob), logprob.top_ids, logprob.top_logprobs
         if len(ids) > k or len(values) > k:
             ids, values = ids[:k], values[:k]
-        self._entries.append(_Entry(generated, offset, token, value,
-                                    self._top_dict(token, value, ids, values)))
-
-    def _top_dict(self, token: str, value: float, ids: Sequence[int],
-                  values: Sequence[float]) -> dict[str, float]:
-        """The top alternatives by token string, the sampled token's added if not among
-        them; when two ids have the same string, the first (likelier) one's value counts."""
-        if self._options.return_tokens_as_token_ids:
-            keys = [token_id_repr(int(i)) for i in ids]
-        else:
-            keys = self._token_text.strings(ids)
         if values and values[0].__class__ is not float:  # (the wire's columns are floats)
             values = [float(v) for v in values]
-        top = dict(zip(keys, values))
-        if len(top) < len(keys):  # a string twice: keep the first one's value
-            top = {}
-            for key, alternative in zip(keys, values):
-                top.setdefault(key, float(alternative))
-        top.setdefault(token, value)
-        return top
+        if as_ids:
+            top: dict[str, float] = {}
+            for key, alternative in zip(self._token_strings(ids), values):
+                top.setdefault(key, alternative)  # a string twice: the first one's value
+            top.setdefault(token, value)
+        else:
+            top = self._token_text.top_dict(token, value, ids, values)
+        self._entries.append((generated, offset, token, value, top))
 
     def delta(self) -> ChoiceDelta:
         """What was released since the last delta: its text and the entries it releases (all of
@@ -322,10 +358,22 @@ class ChoiceProcessor:
 
     def _release_entries(self, delta: ChoiceDelta) -> None:
         entries, released, finished = self._entries, self._released, self.finished
-        while entries and (finished or entries[0].offset < released):
-            generated, offset, token, logprob, top = entries.popleft()
-            if generated is not None:
-                delta.generated.append(generated)
+        if len(entries) > 1 and (finished or entries[-1][1] < released):  # all: in one go
+            generated, offsets, tokens, logprobs, tops = zip(*entries)  # (offsets never decrease)
+            self._entries = deque()
+            if self._options.generated_tokens:
+                delta.generated = [g for g in generated if g is not None]
+            if self._options.logprobs is not None:  # (then every entry has a token)
+                delta.tokens = list(tokens)
+                delta.token_logprobs = list(logprobs)
+                delta.top_logprobs = list(tops)
+                delta.text_offset = (list(offsets) if offsets[-1] < released
+                                     else [o if o < released else released for o in offsets])
+            return
+        while entries and (finished or entries[0][1] < released):
+            generated_token, offset, token, logprob, top = entries.popleft()
+            if generated_token is not None:
+                delta.generated.append(generated_token)
             if token is not None:
                 delta.tokens.append(token)
                 delta.token_logprobs.append(logprob)

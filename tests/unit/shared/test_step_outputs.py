@@ -35,8 +35,12 @@ def test_round_trip_of_tokens_logprobs_prompt_logprobs_and_finishes() -> None:
     assert a.token_id == 11 and a.finish is None and a.prompt_logprobs is None
     assert a.logprob == TokenLogprob(-0.5, 1, top_ids[0].tolist(), top_vals[0].tolist())
     assert b.token_id is None and b.logprob is None
-    assert b.prompt_logprobs == [TokenLogprob(-1.0, 3, [5], [np.float32(-0.1).item()]),
-                                 TokenLogprob(-2.0, 4, [6], [np.float32(-0.2).item()])]
+    assert b.prompt_logprobs is not None and len(b.prompt_logprobs) == 2
+    assert list(b.prompt_logprobs) == [TokenLogprob(-1.0, 3, [5], [np.float32(-0.1).item()]),
+                                       TokenLogprob(-2.0, 4, [6], [np.float32(-0.2).item()])]
+    assert b.prompt_logprobs[-1] == b.prompt_logprobs[1] and b.prompt_logprobs[1:] == [
+        b.prompt_logprobs[1]]
+    assert (b.prompt_logprobs.top_ids, b.prompt_logprobs.k) == ([5, 6], 1)  # the columns
     assert c.logprob == TokenLogprob(-1.5, 7, [], [])
     assert c.finish is not None and (c.finish.reason, c.finish.stop_token_id) == ("stop", 13)
     assert c.finish.reason is FinishReason.STOP

@@ -20,7 +20,7 @@ from frontend.text.output_processor import (
     OutputOptions,
     merge_deltas,
 )
-from shared.step_outputs import TokenLogprob
+from shared.step_outputs import PromptRows, TokenLogprob
 from tests.unit.frontend.text.test_detokenizer import straddling_ids
 
 REPLACEMENT = "\ufffd"
@@ -34,11 +34,20 @@ def fake_logprob(token_id: int, i: int, k: int = 2) -> TokenLogprob:
     return TokenLogprob(value, 1, top_ids, [value - j for j in range(len(top_ids))])
 
 
-def fake_prompt_view(prompt_ids: Sequence[int], k: int = 2) -> list[TokenLogprob]:
-    return [
+def fake_prompt_view(prompt_ids: Sequence[int], k: int = 2,
+                     columns: bool = True) -> Sequence[TokenLogprob]:
+    """Prompt logprobs as the engine client hands them over (PromptRows, whose columns the
+    processor reads at once), or with `columns=False` as a plain list of rows (read one by one):
+    both must give the same deltas."""
+    rows = [
         TokenLogprob(-1.0 - r, 3, list(FILLER_IDS[:k]), [-0.5 - j for j in range(k)])
         for r in range(len(prompt_ids) - 1)
     ]
+    if not columns:
+        return rows
+    return PromptRows([r.logprob for r in rows], [r.rank for r in rows],
+                      [i for r in rows for i in r.top_ids],
+                      [v for r in rows for v in r.top_logprobs], k)
 
 
 def run_choice(
@@ -51,11 +60,12 @@ def run_choice(
     stop_token_id: int | None = None,
     idle_before: frozenset[int] = frozenset(),
     pieces: BytePieces | None = None,
+    columns: bool = True,
 ) -> tuple[ChoiceProcessor, list[ChoiceDelta]]:
     """Feed one choice as the engine would; `idle_before` adds token-less steps."""
     proc = ChoiceProcessor(tokenizer, list(prompt_ids), options, pieces=pieces)
     k = options.logprobs or 0
-    deltas = [proc.prompt(fake_prompt_view(prompt_ids, k) if options.echo else None)]
+    deltas = [proc.prompt(fake_prompt_view(prompt_ids, k, columns) if options.echo else None)]
     for i, token_id in enumerate(generated):
         if i in idle_before:
             deltas.append(proc.step(None, None, None))
@@ -355,6 +365,31 @@ def test_top_logprobs_have_k_or_k_plus_one_entries(llama3_tokenizer: Any) -> Non
     assert delta.tokens == ["Hi"] and delta.token_logprobs == [-2.0]
 
 
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_prompt_columns_read_like_rows(llama3_tokenizer: Any, as_ids: bool) -> None:
+    """The echo's bulk path over PromptRows: rows wider than k are cut to k, a string twice
+    among the alternatives keeps the first (likelier) value, the prompt token is added when
+    it is not among them; exactly what reading the same rows one by one gives."""
+    tok = llama3_tokenizer
+    prompt = list(tok.encode("Hi 🎉 there"))
+    twice = tok.convert_tokens_to_ids(["Hi", "0"])
+    n = len(prompt) - 1
+    top_ids = [twice[0], twice[0], twice[1]] * n  # width 3; k=2 keeps the duplicate pair
+    values = [-0.5, -0.7, -0.9] * n
+    columns = PromptRows([-1.0 - r for r in range(n)], [2] * n, top_ids, values, 3)
+    options = OutputOptions(echo=True, logprobs=2, return_tokens_as_token_ids=as_ids)
+    deltas = {}
+    for form in ("columns", "rows"):
+        proc = ChoiceProcessor(tok, prompt, options)
+        deltas[form] = proc.prompt(columns if form == "columns" else list(columns))
+    assert deltas["columns"] == deltas["rows"]
+    top = deltas["columns"].top_logprobs
+    assert top[0] is None and len(top) == len(prompt)
+    hi = f"token_id:{twice[0]}" if as_ids else "Hi"
+    assert top[1] == {hi: -0.5}  # the prompt token (Hi) is among them
+    assert top[2] is not None and top[2][hi] == -0.5 and len(top[2]) == 2  # + the prompt token
+
+
 def test_no_logprobs_means_empty_logprob_lists(llama3_tokenizer: Any) -> None:
     tok = llama3_tokenizer
     _, deltas = run_choice(tok, [1], encode(tok, "plain"), OutputOptions(echo=True))
@@ -396,6 +431,8 @@ def test_random_sequences(
     assert pieces is not None
     _, byte_path = run_choice(tok, prompt, generated, options, finish=finish, pieces=pieces)
     assert merge_deltas(byte_path) == out  # nor the detokenizer's path
+    _, by_rows = run_choice(tok, prompt, generated, options, finish=finish, columns=False)
+    assert by_rows == deltas  # nor whether the prompt's logprobs come as columns or rows
     for path in (None, pieces):  # nor a consumer that fell behind: merged steps, one delta
         merged = run_merged(tok, prompt, generated, options, idle, finish=finish, pieces=path)
         assert merge_deltas(merged) == out
