@@ -32,6 +32,7 @@ from typing import Any
 
 from aiohttp import web
 
+from frontend.access_log import AccessLog
 from frontend.cors import cors_middleware
 from frontend.engine.client import EngineClient, EngineUnavailableError
 from frontend.engine.group import PINNED_RANK, EngineGroup
@@ -364,7 +365,9 @@ def runner_options(config: FrontendConfig) -> dict[str, Any]:
     options: dict[str, Any] = {"handler_cancellation": True,
                                "shutdown_timeout": config.shutdown_grace,
                                "keepalive_timeout": config.http_read_timeout}
-    if not config.access_log:
+    if config.access_log:
+        options["access_log_class"] = AccessLog
+    else:
         options["access_log"] = None
     return options
 
