@@ -61,6 +61,8 @@ class ServedModel:
 
     def check_ids(self, ids: Sequence[int], param: str) -> None:
         """Every id must be in the vocabulary both the tokenizer and the model know."""
+        if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):  # (no Python loop)
+            return
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise bad_request(
