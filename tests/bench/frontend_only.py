@@ -2,8 +2,8 @@
 
     .venv/bin/python tests/bench/frontend_only.py [--num-prompts 256] [--input-len 128]
         [--output-len 64] [--max-concurrency 64] [--frontends 1 2] [--repeats 1]
-        [--no-echo-logprobs] [--engine-step-ms 0] [--frontend-args "--stream-interval 2"]
-        [--frontend-repo DIR]
+        [--no-echo-logprobs] [--workloads plain echo+lp5] [--engine-step-ms 0]
+        [--frontend-args "--stream-interval 2"] [--frontend-repo DIR] [--floor]
 
 The figures issue 27 is judged by (one frontend, 5 ms engine steps, 256 streams x 128 tokens,
 64-token prompts; docs/benchmarks.md):
@@ -37,7 +37,9 @@ text the no-op engine's tokens make reached the client (`text`: the streamed tex
 against the length of the decoded outputs the engine was asked for), tokens per text chunk (above
 1 when a frontend fell behind and merged steps), and each frontend's RSS after the run.
 --frontend-repo runs the frontends from another checkout (the same engine, client and
-interpreter), so that a before/after pair is measured in the same conditions.
+interpreter), so that a before/after pair is measured in the same conditions. --floor runs
+tests/bench/floor_frontend.py in their place: aiohttp streaming one chunk per token per stream
+at the step's pace with none of Tandem's work, the floor under a frontend's CPU per token.
 
 One unmeasured warm-up run per group (short outputs, same concurrency) comes first. Printed per
 run: requests/s, streamed tokens/s, the ratio to 1 frontend, TTFT, ITL and end-to-end p50 (the
@@ -233,18 +235,20 @@ ECHO_LP = Workload("echo+lp5", echo=True, logprobs=5)
 
 def start_frontends(
     children: Children, count: int, engine_address: str, log_dir: Path, extra: Sequence[str],
-    repo: Path = REPO,
+    repo: Path = REPO, floor_step: float | None = None,
 ) -> tuple[int, list[tuple[str, subprocess.Popen[bytes]]]]:
+    """`floor_step`: run tests/bench/floor_frontend.py instead, ticking every that many s."""
     port = free_port()
     started = []
     for i in range(count):
         name = f"frontend{count}-{i}"
         ready = log_dir / f"{name}.ready"
+        module = ([str(HERE / "floor_frontend.py"), "--step-interval", str(floor_step)]
+                  if floor_step is not None else ["-m", "frontend.server"])
         proc = children.start(
             name,
             [
-                "-m",
-                "frontend.server",
+                *module,
                 "--engine",
                 engine_address,
                 "--port",
@@ -383,6 +387,8 @@ def measure(
     cpu = sampler.percent(ended - summary.duration_s, ended)
     fe_cpu_s = sum(cpu[name] for name, _ in frontends) / 100 * summary.duration_s
     streamed = sum(r.text_chars for r in result.requests)
+    if expected_chars < 0:
+        expected_chars = streamed
     if streamed != expected_chars:
         print(f"  {workload.name}: the client got {streamed} characters of text, "
               f"{expected_chars} expected", file=sys.stderr)
@@ -506,8 +512,9 @@ def run(args: argparse.Namespace, log_dir: Path, children: Children) -> list[Row
     # per workload, so that drift in the machine's other load hits them alike; an idle group
     # costs only its heartbeats.
     extra = args.frontend_args.split()
-    groups = [start_frontends(children, count, address, log_dir, extra, args.frontend_repo)
-              for count in args.frontends]
+    floor_step = (args.engine_step_ms or 5.0) / 1000 if args.floor else None
+    groups = [start_frontends(children, count, address, log_dir, extra, args.frontend_repo,
+                              floor_step) for count in args.frontends]
     for port, _ in groups:
         warm = bench_config(
             args,
@@ -518,7 +525,8 @@ def run(args: argparse.Namespace, log_dir: Path, children: Children) -> list[Row
             output_len=min(args.output_len, 8),
         )
         asyncio.run(run_benchmark(warm))
-    expected = {w.name: expected_text_chars(bench_config(args, 0, model, w)) for w in workloads}
+    expected = {w.name: -1 if args.floor else expected_text_chars(bench_config(args, 0, model, w))
+                for w in workloads}  # (-1: the floor frontend's text is its own, not checked)
     rows = []
     for _ in range(args.repeats):
         for workload in workloads:
@@ -574,9 +582,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="run the frontends from this checkout of Tandem (e.g. `git worktree add /tmp/base "
              "main`), for before/after figures in the same conditions (default: this one)")
     parser.add_argument(
+        "--floor", action="store_true",
+        help="run tests/bench/floor_frontend.py in place of the frontends: one write per "
+             "token per stream at the engine's step (5 ms if --engine-step-ms is 0), no "
+             "engine, tokenizer or detokenizer; plain only, its text not checked")
+    parser.add_argument(
         "--frontend-args", default="",
         help='more flags for every frontend, as one string (e.g. "--stream-interval 2")')
     args = parser.parse_args(argv)
+    if args.floor:
+        args.workloads = [PLAIN.name]  # it answers every request alike
     if args.no_echo_logprobs:
         args.workloads = [w for w in args.workloads if w != ECHO_LP.name]
     if not args.workloads:
