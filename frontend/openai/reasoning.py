@@ -18,7 +18,6 @@ Without a parser nothing here runs, and answers carry no reasoning field at all.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -95,7 +94,7 @@ class ChoiceReasoning:
             rest = self.parser.finish()
             reasoning, content = reasoning + rest.reasoning, content + rest.content
         self.reasoning += reasoning
-        return reasoning, dataclasses.replace(delta, text=content)
+        return reasoning, msgspec.structs.replace(delta, text=content)
 
     def message(self, message: ResponseMessage) -> ResponseMessage:
         """A whole answer's message with its reasoning (null when there was none), and its

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import repeat
 from typing import Any, NamedTuple
+
+import msgspec
 
 from frontend.text.byte_pieces import BytePieces
 from frontend.text.detokenizer import IncrementalDetokenizer
@@ -57,16 +59,17 @@ class GeneratedToken(NamedTuple):
     terminator: bool  # the EOS / stop token that ended the choice and added no text
 
 
-@dataclass(slots=True)
-class ChoiceDelta:
-    """What one choice gained since the previous call."""
+class ChoiceDelta(msgspec.Struct):
+    """What one choice gained since the previous call. (A msgspec Struct for its C-level
+    constructor: one delta per choice per wake-up, on the hottest path; empty-list defaults are
+    new lists per delta.)"""
 
     text: str = ""
-    generated: list[GeneratedToken] = field(default_factory=list)  # released with this delta
-    tokens: list[str] = field(default_factory=list)  # filled only when logprobs were asked
-    token_logprobs: list[float | None] = field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
-    text_offset: list[int] = field(default_factory=list)
+    generated: list[GeneratedToken] = []  # released with this delta
+    tokens: list[str] = []  # filled only when logprobs were asked
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
     stop_reason: str | int | None = None  # the matched stop string, or the stop token id
 
@@ -347,7 +350,7 @@ class ChoiceProcessor:
         """What was released since the last delta: its text and the entries it releases (all of
         them at finish), and the finish reason the first time after the choice finished."""
         out = self._text_out
-        delta = ChoiceDelta(out[0] if len(out) == 1 else "".join(out), [], [], [], [], [])
+        delta = ChoiceDelta(out[0] if len(out) == 1 else "".join(out))
         out.clear()
         if self._entries:
             self._release_entries(delta)
