@@ -10,7 +10,7 @@ that carry bytes.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -44,6 +44,15 @@ def bytes_repr(raw: bytes) -> str:
 def token_id_repr(token_id: int) -> str:
     """The token string used with return_tokens_as_token_ids."""
     return f"token_id:{token_id}"
+
+
+def first_wins(keys: Iterable[str], values: Iterable[float]) -> dict[str, float]:
+    """Top alternatives by string when two ids may share one: the first (likelier) value
+    counts (where `dict(zip(...))` would keep the last)."""
+    top: dict[str, float] = {}
+    for key, value in zip(keys, values):
+        top.setdefault(key, value)
+    return top
 
 
 class TokenTextCache:
@@ -94,9 +103,7 @@ class TokenTextCache:
         except (IndexError, TypeError):  # an id outside the vocabulary (or not an int)
             top = {}
         if len(top) < len(ids) or None in top:  # a string twice, or one not cached yet
-            top = {}
-            for key, alternative in zip(self.strings(ids), values):
-                top.setdefault(key, alternative)
+            top = first_wins(self.strings(ids), values)  # type: ignore[assignment]
         top.setdefault(token, value)
         return top  # type: ignore[return-value]  # no None left
 

@@ -27,7 +27,7 @@ import msgspec
 
 from frontend.text.byte_pieces import BytePieces
 from frontend.text.detokenizer import IncrementalDetokenizer
-from frontend.text.logprob_text import TokenTextCache, token_id_repr
+from frontend.text.logprob_text import TokenTextCache, first_wins, token_id_repr
 from frontend.text.stop_strings import StopStringChecker
 from shared.step_outputs import PromptRows, TokenLogprob
 
@@ -214,11 +214,8 @@ class ChoiceProcessor:
             value_rows = list(zip(*[iter(top_values)] * keep))
             tops = list(map(dict, map(zip, key_rows, value_rows)))
             if min(map(len, tops), default=keep) < keep:  # a string twice: the first one's value
-                for row, top in enumerate(tops):
-                    if len(top) < keep:
-                        top.clear()
-                        for key, alternative in zip(key_rows[row], value_rows[row]):
-                            top.setdefault(key, alternative)
+                tops = [first_wins(key_rows[row], value_rows[row]) if len(top) < keep else top
+                        for row, top in enumerate(tops)]
         deque(map(dict.setdefault, tops, tokens, values), maxlen=0)  # the token itself, if not in
         return tops
 
@@ -338,9 +335,7 @@ class ChoiceProcessor:
         if values and values[0].__class__ is not float:  # (the wire's columns are floats)
             values = [float(v) for v in values]
         if as_ids:
-            top: dict[str, float] = {}
-            for key, alternative in zip(self._token_strings(ids), values):
-                top.setdefault(key, alternative)  # a string twice: the first one's value
+            top = first_wins(map(token_id_repr, ids), values)
             top.setdefault(token, value)
         else:
             top = self._token_text.top_dict(token, value, ids, values)

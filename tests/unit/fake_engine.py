@@ -84,6 +84,20 @@ def frontend_config(engine: FakeEngine, **overrides: Any) -> Any:
     return FrontendConfig(engine_address=engine.address, **(settings | overrides))
 
 
+async def production_client(aiohttp_client: Any, config: Any) -> Any:
+    """An aiohttp test client of a frontend served with the server settings production uses
+    (`runner_options`: timeouts, the access log)."""
+    from aiohttp.test_utils import TestServer
+
+    from frontend.server import init_app, runner_options
+
+    server = TestServer(init_app(config, cached_tokenizer))
+    options = runner_options(config)
+    del options["handler_cancellation"]  # the test server sets it too
+    await server.start_server(**options)
+    return await aiohttp_client(server)
+
+
 @dataclass
 class _Running:
     identity: bytes

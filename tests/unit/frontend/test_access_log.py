@@ -8,10 +8,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
-from frontend.server import init_app, runner_options
-from tests.unit.fake_engine import FakeEngine, cached_tokenizer, frontend_config
+from tests.unit.fake_engine import FakeEngine, frontend_config, production_client
 
 
 @pytest.fixture
@@ -25,12 +24,8 @@ Client = TestClient  # type: ignore[type-arg]
 
 
 async def served(aiohttp_client: Any, engine: FakeEngine, access_log: bool) -> Client:
-    config = frontend_config(engine, access_log=access_log)
-    server = TestServer(init_app(config, cached_tokenizer))
-    options = runner_options(config)
-    del options["handler_cancellation"]  # the test server sets it too
-    await server.start_server(**options)
-    client: Client = await aiohttp_client(server)
+    client: Client = await production_client(
+        aiohttp_client, frontend_config(engine, access_log=access_log))
     return client
 
 

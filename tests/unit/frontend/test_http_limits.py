@@ -13,15 +13,21 @@ from typing import Any
 
 import pytest
 from aiohttp import ClientConnectionResetError, web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from frontend.engine.client import EngineOverloadedError
 from frontend.http_limits import MIN_BODY_BYTES, body_limit
 from frontend.openai.serving import engine_error
 from frontend.openai.sse import SSEWriter
 from frontend.options import add_frontend_args, frontend_argv
-from frontend.server import init_app, parse_args, runner_options
-from tests.unit.fake_engine import FakeEngine, cached_tokenizer, frontend_config, tokenizer_folder
+from frontend.server import parse_args, runner_options
+from tests.unit.fake_engine import (
+    FakeEngine,
+    cached_tokenizer,
+    frontend_config,
+    production_client,
+    tokenizer_folder,
+)
 
 Client = TestClient  # type: ignore[type-arg]
 LIMIT = 4096  # bytes of body, in these tests
@@ -43,12 +49,8 @@ def make_client(aiohttp_client: Any, engine: FakeEngine) -> Callable[..., Awaita
     async def make(**overrides: Any) -> Client:
         limits = {"api_key": "key", "max_request_body_bytes": LIMIT,
                   "http_read_timeout": TIMEOUT, "http_write_timeout": TIMEOUT}
-        config = frontend_config(engine, **(limits | overrides))
-        server = TestServer(init_app(config, cached_tokenizer))
-        options = runner_options(config)
-        del options["handler_cancellation"]  # the test server sets it too
-        await server.start_server(**options)
-        client: Client = await aiohttp_client(server)
+        client: Client = await production_client(
+            aiohttp_client, frontend_config(engine, **(limits | overrides)))
         return client
 
     return make
