@@ -181,7 +181,7 @@ class ChoiceProcessor:
                 self._queue(token_id, None if i == 0 else prompt_logprobs[i - 1], offset, None)
             return
         tokens = self._token_strings(ids)
-        if prompt_logprobs is None or not ids:
+        if prompt_logprobs is None:
             self._entries.extend(zip(repeat(None), offsets, tokens, repeat(None), repeat(None)))
             return
         values = prompt_logprobs.logprobs
@@ -335,7 +335,7 @@ class ChoiceProcessor:
         if values and values[0].__class__ is not float:  # (the wire's columns are floats)
             values = [float(v) for v in values]
         if as_ids:
-            top = first_wins(map(token_id_repr, ids), values)
+            top = first_wins(self._token_strings(ids), values)
             top.setdefault(token, value)
         else:
             top = self._token_text.top_dict(token, value, ids, values)

@@ -4,13 +4,14 @@ the floor frontend answering a streamed completion as the load generator reads i
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import aiohttp
+
+from tests.e2e.server import free_port
 
 REPO = Path(__file__).resolve().parents[4]
 BENCH = REPO / "tests" / "bench"
@@ -25,12 +26,6 @@ def test_frontend_path_runs() -> None:
     assert "4 streams x 4 tokens" in lines[0]
     assert [line.split()[0] for line in lines[1:]] == ["plain", "echo+lp5"]
     assert all("us a token" in line for line in lines[1:])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_floor_frontend_streams(tmp_path: Path) -> None:
