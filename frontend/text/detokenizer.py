@@ -12,7 +12,9 @@ decode: their own text is never emitted, and a context that ends inside a charac
 to the last complete character so that its bytes cannot leak into the generated text.
 
 Fastest path, for byte-level BPE tokenizers (`BytePieces`): each token's bytes into an
-incremental UTF-8 decoder, which holds back exactly an unfinished character's bytes. Next:
+incremental UTF-8 decoder, which holds back an unfinished character's bytes; the text decoded
+before them is held with them, so every path returns text at the same tokens (a stop string
+then ends a choice at the same token whichever path found it). Next:
 `tokenizers.decoders.DecodeStream`, for Rust-backed tokenizers whose `decode` adds no clean-up
 of its own (then `tokenizer.decode` is the backend's decode, which DecodeStream follows).
 Otherwise, or if DecodeStream ever fails, a prefix/read-offset window over `tokenizer.decode`
@@ -65,6 +67,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._held_text = ""  # what the held-back tokens decode to, as of the last add()
+        self._ready = ""  # byte path: complete text held with an unfinished character after it
         self.last_token_start = 0
         backend = _stream_backend(tokenizer) if use_decode_stream else None
         self._stream: tuple[DecodeStream, Tokenizer] | None = None
@@ -99,11 +102,15 @@ class IncrementalDetokenizer:
                     self.last_token_start = 0
                     return text
             piece = b"" if token_id in self._skipped else self._pieces.get(token_id)
-            text = self._utf8.decode(piece)
+            text = self._ready + self._utf8.decode(piece)
             pending = self._utf8.getstate()[0]
-            self._held_text = pending.decode("utf-8", "replace") if pending else ""
+            if pending:  # hold the text before an unfinished character too, as DecodeStream does
+                self._ready, self._held_text = text, text + pending.decode("utf-8", "replace")
+                text = ""
+            else:
+                self._ready = self._held_text = ""
             self.last_token_start = (
-                _shared_prefix(held_before, _stable(text + self._held_text)) if held_before else 0)
+                _shared_prefix(held_before, _stable(text or self._held_text)) if held_before else 0)
             return text
         self._ids.append(token_id)
         if not held_before and self._stream is not None:  # the common case, kept short
@@ -145,8 +152,8 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Release whatever is still held back (an incomplete character decodes to U+FFFD)."""
         if self._pieces is not None:
-            self._held_text = ""
-            return self._utf8.decode(b"", final=True)
+            text, self._ready, self._held_text = self._ready, "", ""
+            return text + self._utf8.decode(b"", final=True)
         text = self._window_step(final=True) if self.has_pending else ""
         self._held_text = ""
         self._stream = None  # the stream's own state is stale from here on

@@ -86,6 +86,15 @@ def test_text_equals_decode(byte_bpe_tokenizer: Any, text: str, mode: str) -> No
     assert not any("\ufffd" in chunk for chunk in chunks)
 
 
+@pytest.mark.parametrize("text", [*TEXTS, " Þ", "a🎉b"])
+def test_every_path_returns_text_at_the_same_tokens(byte_bpe_tokenizer: Any, text: str) -> None:
+    # a stop string is looked for in what add() returns: the paths must return the same chunks,
+    # or one path ends a choice a token before another (" Þ" is b" \xc3" + b"\x9e" in Llama 3)
+    ids = byte_bpe_tokenizer.encode(text, add_special_tokens=False)
+    chunks = {mode: run(byte_bpe_tokenizer, ids, mode=mode) for mode in MODES}
+    assert chunks["bytes"] == chunks["stream"] == chunks["window"]
+
+
 def test_decode_stream_is_the_fast_path(byte_bpe_tokenizer: Any) -> None:
     assert IncrementalDetokenizer(byte_bpe_tokenizer).uses_decode_stream
     slow = IncrementalDetokenizer(byte_bpe_tokenizer, use_decode_stream=False)
@@ -109,10 +118,10 @@ def test_token_completing_one_character_and_starting_the_next(
     byte_bpe_tokenizer: Any, mode: str
 ) -> None:
     ids = straddling_ids(byte_bpe_tokenizer)
-    # 다 is complete once the straddling token arrives (the byte path releases it then, the
-    # others hold it with the start of 한): the straddling token's text starts at 0, the next
-    # tokens' (pieces of 한) after 다
+    # 다 is complete once the straddling token arrives, but every path holds it with the start
+    # of 한: the straddling token's text starts at 0, the next tokens' (pieces of 한) after 다
     assert token_starts(make(byte_bpe_tokenizer, mode), ids) == [0, 0, 0, 1, 1]
+    assert run(byte_bpe_tokenizer, ids, mode=mode) == run(byte_bpe_tokenizer, ids, mode="window")
     assert "".join(run(byte_bpe_tokenizer, ids, mode=mode)[0]) == "다한"
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from frontend.text.byte_pieces import BytePieces
@@ -401,6 +401,7 @@ unicode_text = st.text(st.characters(codec="utf-8", exclude_characters=REPLACEME
 
 
 @settings(max_examples=100, deadline=None)
+@example(prompt_text="", text=" Þ", stop=" ", echo=False, eos=False, idle=frozenset())
 @given(
     prompt_text=unicode_text,
     text=unicode_text,
