@@ -27,7 +27,7 @@ from engine_core.worker.cuda_graphs import capture_sizes
 from engine_core.worker.platform import Platform
 from shared.messages import SamplingParams
 from tests.engine.driver import Collected, run
-from tests.engine.test_hf_parity import MAX_NEW, assert_drained, assert_parity, make_prompts
+from tests.engine.test_hf_parity import ATOL, MAX_NEW, assert_drained, assert_parity, make_prompts
 
 REFERENCE_KERNELS = attention_cuda.Kernels(attention_cuda.sdpa_varlen,
                                            attention_cuda.reference_decode,
@@ -79,7 +79,9 @@ def test_graph_stand_in_matches_the_eager_path(tiny_llama, tokenizer, monkeypatc
     for rid, want in eager.items():
         got = graphed[rid]
         assert got.token_ids == want.token_ids, rid
-        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5), rid
+        # (a padded batch changes the GEMMs' row count, so their summation order: fp32 noise,
+        # up to 1.5e-5 on an AVX2 CPU; the parity tolerance with Hugging Face bounds it)
+        assert got.logprobs == pytest.approx(want.logprobs, abs=ATOL), rid
         assert got.finish == want.finish
     assert_drained(core)
 
