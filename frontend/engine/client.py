@@ -276,18 +276,17 @@ class EngineClient:
             logger.exception("failed to route an engine message")
 
     def _route(self, out: wire.StepOutputs) -> None:
-        """One StepItem per row that brings anything, straight from the columns."""
+        """Each row that brings anything to its stream, straight from the columns."""
         requests, news = self._requests, self._news
         tokens = wire.read_ints(out.token_ids)
         logprobs = token_logprobs(out)
         if not (out.prompt_logprobs or out.finished):  # the common step: tokens (+ logprobs)
-            timings, item = self.latency.step_timer(), tuple.__new__  # skips StepItem's __new__
+            timings = self.latency.step_timer()
             for rid, token, logprob in zip(out.req_ids, tokens, logprobs or itertools.repeat(None)):
                 entry = requests.get(rid)
                 if entry is not None and token >= 0:
                     timings(rid)
-                    entry[0].put(rid, item(StepItem, (entry[1], token, logprob, None, None, None,
-                                                      None)), news)
+                    entry[0].put_token(entry[1], token, logprob, news)
             return
         prompts = {p.index: p for p in out.prompt_logprobs}
         finished = {f.index: f for f in out.finished}

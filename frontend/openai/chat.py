@@ -113,6 +113,7 @@ class ServingChat:
         readers = [ChoiceTools(tools) for _ in plan.choices] if tools.active else None
         thinking = [plan.reasoning.choice() for _ in plan.choices] if plan.reasoning else None
         greeted = [False] * len(plan.choices)
+        encode = msgspec.json.Encoder().encode
 
         def chunk(index: int, choice: ChatStreamChoice) -> ChatCompletionChunk:
             usage = plan.choices[index].usage() if with_usage else None
@@ -135,7 +136,7 @@ class ServingChat:
             return messages, tools.finish_reason(delta.finish_reason,
                                                  bool(readers[index].calls()))
 
-        def chunks_of(index: int, delta: ChoiceDelta) -> list[ChatCompletionChunk]:
+        def chunks_of(index: int, delta: ChoiceDelta) -> list[bytes]:
             chunks = []
             if not greeted[index]:
                 greeted[index] = True
@@ -147,7 +148,7 @@ class ServingChat:
                 chunks.append(chunk(index, ChatStreamChoice(
                     index, message, logprobs.of(delta) if last else None,
                     finish if last else None, delta.stop_reason if last else None)))
-            return chunks
+            return [encode(c) for c in chunks]
 
         def usage_chunk(usage: Usage) -> ChatCompletionChunk:
             return ChatCompletionChunk(plan.id, plan.created, plan.model, [], usage)

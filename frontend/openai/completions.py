@@ -65,14 +65,14 @@ class ServingCompletions:
         def chunks_of(index: int, delta: ChoiceDelta) -> list[bytes]:
             if delta.is_empty:
                 return []
-            usage = plan.choices[index].usage() if with_usage else None
-            return [template.chunk(index, delta, usage)]
+            return [template.chunk(index, delta, plan.choices[index].usage())]
 
         def usage_chunk(usage: Usage) -> CompletionStreamChunk:
             return CompletionStreamChunk(plan.id, plan.created, plan.model, [], usage)
 
         final = usage_chunk if options is not None and options.include_usage else None
-        return await stream_choices(request, self.client, plan, chunks_of, final)
+        return await stream_choices(request, self.client, plan,
+                                    chunks_of if with_usage else template.chunks_of, final)
 
 
 def check_completion_request(req: CompletionRequest) -> None:
@@ -114,6 +114,18 @@ class ChunkTemplate:
         self._heads: dict[int, bytes] = {}
         self._with_logprobs = with_logprobs
         self._encode = msgspec.json.Encoder().encode
+
+    def chunks_of(self, index: int, delta: ChoiceDelta) -> list[bytes]:
+        """The chunk of a delta that is not empty, without usage (`serving.ChunksOf`)."""
+        if delta.finish_reason is None and not self._with_logprobs:  # the common chunk
+            if not delta.text:
+                return []
+            head = self._heads.get(index)
+            if head is not None:
+                return [head + self._encode(delta.text) + self._PLAIN_END]
+        elif delta.is_empty:
+            return []
+        return [self.chunk(index, delta)]
 
     def chunk(self, index: int, delta: ChoiceDelta, usage: Usage | None = None) -> bytes:
         head = self._heads.get(index)

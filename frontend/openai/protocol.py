@@ -74,10 +74,10 @@ class CompletionRequest(SamplingRequest, kw_only=True):
 
 
 class CompletionLogprobs(msgspec.Struct):
-    text_offset: list[int]
-    token_logprobs: list[float | None]
-    tokens: list[str]
-    top_logprobs: list[dict[str, float] | None]
+    text_offset: Sequence[int]
+    token_logprobs: Sequence[float | None]
+    tokens: Sequence[str]
+    top_logprobs: Sequence[dict[str, float] | None]
 
 
 class CompletionChoice(msgspec.Struct):

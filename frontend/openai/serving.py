@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -28,8 +28,9 @@ from frontend.errors import OpenAIError, bad_request
 from frontend.http_limits import HTTP_LIMITS
 from frontend.openai.plan import ChoiceState, RequestPlan
 from frontend.openai.protocol import Usage
-from frontend.openai.sse import Chunk, ClientGoneError, SSEWriter
+from frontend.openai.sse import ClientGoneError, SSEWriter
 from frontend.text.output_processor import ChoiceDelta
+from shared.step_outputs import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ OFF_LOOP_BYTES = 16 * 1024
 RETRY_AFTER_S = 1  # what every 503 tells the client (the Retry-After header)
 T = TypeVar("T")
 
-ChunksOf = Callable[[int, ChoiceDelta], Iterable[Chunk]]  # (choice, delta) -> payloads
+ChunksOf = Callable[[int, ChoiceDelta], list[bytes]]  # (choice, delta) -> its events' JSON
 UsageChunk = Callable[[Usage], msgspec.Struct]  # the last payload, when usage was asked
 
 
@@ -55,9 +56,9 @@ async def prepare(body: bytes, make: Callable[[bytes], T]) -> T:
     return await asyncio.to_thread(make, body)
 
 
-class ChoiceOutput(NamedTuple):
-    choice: int  # the choice's index
-    delta: ChoiceDelta
+# One choice's delta of a wake-up: (the choice's index, its delta). A plain tuple, not a named
+# one: one per choice per wake-up, on the hottest path.
+ChoiceOutput = tuple[int, ChoiceDelta]
 
 
 @dataclass(frozen=True)
@@ -80,24 +81,27 @@ NO_GROUPING = StreamingOptions()
 class ChoiceRun:
     """A plan's choices against the engine, one engine request each.
 
-    `start()` sends them. `await next()` returns, per wake-up, one delta per choice that gained
-    anything: whatever engine steps arrived for it since the last call, folded into one
-    (exactly the concatenation of their separate deltas: ChoiceProcessor.delta), so a consumer
-    that fell behind catches up in one chunk; `[]` once every choice finished. `close()` aborts
-    whatever still runs: call it however the run ends (success, error, disconnect,
-    cancellation). `choices[i].index` must be i. `next()` raises EngineRequestError or
-    EngineDeadError.
+    `start()` sends them. The run is its stream's sink (`StepSink`): the routing task feeds
+    each row to its choice's processor as it routes it. `await next()` then returns, per
+    wake-up, one delta per choice that gained anything: whatever engine steps were fed to it
+    since the last call, folded into one (exactly the concatenation of their separate deltas:
+    ChoiceProcessor.delta), so a consumer that fell behind catches up in one chunk; `[]` once
+    every choice finished. `close()` aborts whatever still runs: call it however the run ends
+    (success, error, disconnect, cancellation). `choices[i].index` must be i. `next()` raises
+    EngineRequestError or EngineDeadError.
     """
 
     def __init__(self, client: EngineGroup, choices: Sequence[ChoiceState],
                  options: StreamingOptions = NO_GROUPING) -> None:
         self._client = client
         self._choices = choices
-        self._stream = OutputStream()
+        self._stream = OutputStream(self)
         self._interval = options.stream_interval
         self._merge_steps = options.merge_steps
         self._held = [0] * len(choices)  # tokens fed and not yet sent, per choice
         self._sent = [False] * len(choices)  # a delta of the choice went out
+        self._touched: list[int] = []  # choices fed since the last deltas, in order
+        self._error: EngineRequestError | None = None  # a choice the engine failed
         self._wakeups = 0  # listener calls since outputs were last taken (merge_steps)
 
     def start(self) -> None:
@@ -107,6 +111,7 @@ class ChoiceRun:
 
     def close(self) -> None:
         self._client.abort(self._stream.unfinished)
+        self._stream.detach()
 
     @property
     def ended(self) -> bool:
@@ -123,57 +128,86 @@ class ChoiceRun:
         (OutputStream.listen); it takes them with `take_now()`."""
         self._stream.listen(listener)
 
+    # -- the stream's sink: rows as the routing task routes them ----------------------------
+
+    def token(self, index: int, token_id: int, logprob: TokenLogprob | None) -> None:
+        """A sampled token and nothing else (the common row)."""
+        choice = self._choices[index]
+        if not choice.started:
+            self.item(StepItem(index, token_id, logprob, None, None))
+            return
+        proc = choice.processor
+        if proc.finish_reason is not None:  # stopped by a string: what was in flight is dropped
+            return
+        proc.feed(token_id, logprob, None)
+        self._held[index] += 1
+        touched = self._touched
+        if not touched or touched[-1] != index:
+            touched.append(index)
+        if proc.finish_reason is not None and proc.stopped_by_string:
+            self._client.abort([choice.request_id], stopped=True)
+
+    def item(self, item: StepItem) -> None:
+        index, token_id, logprob, prompt_logprobs, finish_reason, stop_token_id, error = item
+        choice = self._choices[index]
+        proc = choice.processor
+        if proc.finished:
+            return
+        if finish_reason is not None and finish_reason == "error":
+            if self._error is None:
+                self._error = EngineRequestError(error or "the engine could not run this request")
+            return
+        if not choice.started:
+            choice.started = True
+            proc.feed_prompt(prompt_logprobs)
+        if token_id is not None:
+            proc.feed(token_id, logprob, finish_reason, stop_token_id)
+            self._held[index] += 1
+        elif finish_reason is not None:
+            proc.feed(None, None, finish_reason, stop_token_id)
+        touched = self._touched
+        if not touched or touched[-1] != index:
+            touched.append(index)
+        if proc.stopped_by_string:
+            self._client.abort([choice.request_id], stopped=True)
+
+    # -- the consumer -------------------------------------------------------------------------
+
     def take_now(self) -> list[ChoiceOutput]:
         """`next()` without waiting: the deltas of what has arrived ([] if nothing is due)."""
         self._wakeups += 1
         if self._wakeups < self._merge_steps and self._stream.unfinished:
             return []
         self._wakeups = 0
-        batch = self._stream.take()
-        return self._advance(batch) if batch else self._rest() if self.ended else []
+        if self._stream.take_news():
+            return self._outputs()
+        return self._rest() if self.ended else []
 
     async def next(self) -> list[ChoiceOutput]:
-        while batch := await self._take():
-            if outputs := self._advance(batch):
+        while await self._news():
+            if outputs := self._outputs():
                 return outputs
         return self._rest()
 
-    async def _take(self) -> list[StepItem]:
-        batch = await self._stream.get()
+    async def _news(self) -> bool:
+        news = await self._stream.news()
         for _ in range(self._merge_steps - 1):
             if not self._stream.unfinished:
                 break
-            batch += await self._stream.get()
-        return batch
+            news = await self._stream.news() or news
+        return news
 
-    def _advance(self, batch: list[StepItem]) -> list[ChoiceOutput]:
-        """Feed the batch to the choices' processors; one delta per choice that is due."""
-        choices, held = self._choices, self._held
-        touched: list[int] = []
-        for index, token_id, logprob, prompt_logprobs, finish_reason, stop_token_id, error in batch:
-            choice = choices[index]
-            proc = choice.processor
-            if proc.finished:  # stopped by a string: what was already in flight is dropped
-                continue
-            if finish_reason is not None and finish_reason == "error":
-                raise EngineRequestError(error or "the engine could not run this request")
-            if not choice.started:
-                choice.started = True
-                proc.feed_prompt(prompt_logprobs)
-            if token_id is not None:
-                proc.feed(token_id, logprob, finish_reason, stop_token_id)
-                held[index] += 1
-            elif finish_reason is not None:
-                proc.feed(None, None, finish_reason, stop_token_id)
-            if proc.stopped_by_string:
-                self._client.abort([choice.request_id], stopped=True)
-            if not touched or touched[-1] != index:
-                touched.append(index)
+    def _outputs(self) -> list[ChoiceOutput]:
+        """One delta per choice fed since the last call and due; raises a failed choice's
+        EngineRequestError."""
+        if self._error is not None:
+            raise self._error
+        touched, self._touched = self._touched, []
         if len(touched) > 1:
             touched = list(dict.fromkeys(touched))
         if self._interval == 1:
-            return [ChoiceOutput(i, self._take_delta(i)) for i in touched]
-        return [ChoiceOutput(i, self._take_delta(i)) for i in touched if self._due(i)]
+            return [(i, self._take_delta(i)) for i in touched]
+        return [(i, self._take_delta(i)) for i in touched if self._due(i)]
 
     def _due(self, index: int) -> bool:
         """vLLM's stream interval: the first output at once, then every `interval` tokens."""
@@ -189,7 +223,7 @@ class ChoiceRun:
 
     def _rest(self) -> list[ChoiceOutput]:
         """At the end: what a stream interval still held (choices aborted unfinished)."""
-        return [ChoiceOutput(i, self._take_delta(i)) for i in range(len(self._choices))
+        return [(i, self._take_delta(i)) for i in range(len(self._choices))
                 if self._held[i]]
 
 
@@ -290,11 +324,10 @@ class EventPump:
             parked.set_exception(exc)
 
     def _payloads(self, outputs: list[ChoiceOutput]) -> list[bytes]:
-        encode, chunks_of = self._sse.encode, self._chunks_of
+        chunks_of = self._chunks_of
         if len(outputs) == 1:  # the common case: one choice
-            index, delta = outputs[0]
-            return [encode(chunk) for chunk in chunks_of(index, delta)]
-        return [encode(chunk) for index, delta in outputs for chunk in chunks_of(index, delta)]
+            return chunks_of(*outputs[0])
+        return [chunk for index, delta in outputs for chunk in chunks_of(index, delta)]
 
 
 def json_response(payload: Any) -> web.Response:

@@ -59,17 +59,18 @@ class GeneratedToken(NamedTuple):
     terminator: bool  # the EOS / stop token that ended the choice and added no text
 
 
-class ChoiceDelta(msgspec.Struct):
+class ChoiceDelta(msgspec.Struct, gc=False):
     """What one choice gained since the previous call. (A msgspec Struct for its C-level
-    constructor: one delta per choice per wake-up, on the hottest path; empty-list defaults are
-    new lists per delta.)"""
+    constructor, one delta per choice per wake-up on the hottest path; its sequences are the
+    shared empty tuple unless filled, and it is left out of the garbage collector's passes,
+    which is safe: what it holds never refers back to it.)"""
 
     text: str = ""
-    generated: list[GeneratedToken] = []  # released with this delta
-    tokens: list[str] = []  # filled only when logprobs were asked
-    token_logprobs: list[float | None] = []
-    top_logprobs: list[dict[str, float] | None] = []
-    text_offset: list[int] = []
+    generated: Sequence[GeneratedToken] = ()  # released with this delta
+    tokens: Sequence[str] = ()  # filled only when logprobs were asked
+    token_logprobs: Sequence[float | None] = ()
+    top_logprobs: Sequence[dict[str, float] | None] = ()
+    text_offset: Sequence[int] = ()
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
     stop_reason: str | int | None = None  # the matched stop string, or the stop token id
 
@@ -118,7 +119,7 @@ class ChoiceProcessor:
         self._text_out: list[str] = []  # released text not yet returned in a delta
         self._entries: deque[_Entry] = deque()  # entries waiting for their text
         self._num_generated = 0
-        self._finish_reason: str | None = None
+        self.finish_reason: str | None = None  # set once the choice finished
         self._stop_reason: str | int | None = None
         self._finish_sent = False  # a delta carried the finish reason
         # Per-token entries are queued only when someone reads them (logprobs, or chat's
@@ -129,7 +130,7 @@ class ChoiceProcessor:
 
     @property
     def finished(self) -> bool:
-        return self._finish_reason is not None
+        return self.finish_reason is not None
 
     @property
     def stopped_by_string(self) -> bool:
@@ -255,7 +256,7 @@ class ChoiceProcessor:
         """`step`, its delta left for the next `delta()`: feeding several steps and taking one
         delta gives exactly the concatenation of their deltas (the merged chunk of a stream
         that fell behind). Ignored once the choice finished."""
-        if self._finish_reason is not None:
+        if self.finish_reason is not None:
             return
         if token_id is not None:
             self._num_generated += 1
@@ -285,16 +286,16 @@ class ChoiceProcessor:
         if finish_reason is not None:
             self._finish(finish_reason, stop_token_id)
         elif self._stop.matched is not None:
-            self._finish_reason, self._stop_reason = "stop", self._stop.matched
+            self.finish_reason, self._stop_reason = "stop", self._stop.matched
 
     def _finish(self, finish_reason: str, stop_token_id: int | None) -> None:
         if self._stop.matched is None:
             self._generated_text(self._detok.flush())
             self._emit(self._stop.flush())
             if self._stop.matched is None:
-                self._finish_reason, self._stop_reason = finish_reason, stop_token_id
+                self.finish_reason, self._stop_reason = finish_reason, stop_token_id
         if self._stop.matched is not None:
-            self._finish_reason, self._stop_reason = "stop", self._stop.matched
+            self.finish_reason, self._stop_reason = "stop", self._stop.matched
 
     def _generated_text(self, text: str) -> None:
         """Newly final generated text: through the stop strings, then out."""
@@ -349,48 +350,79 @@ class ChoiceProcessor:
         out.clear()
         if self._entries:
             self._release_entries(delta)
-        if self._finish_reason is not None and not self._finish_sent:
+        if self.finish_reason is not None and not self._finish_sent:
             self._finish_sent = True
-            delta.finish_reason, delta.stop_reason = self._finish_reason, self._stop_reason
+            delta.finish_reason, delta.stop_reason = self.finish_reason, self._stop_reason
         return delta
 
     def _release_entries(self, delta: ChoiceDelta) -> None:
+        entries, released = self._entries, self._released
+        if len(entries) == 1 and (entries[0][1] < released or self.finished):  # (streaming)
+            generated, offset, token, logprob, top = entries.pop()
+            if generated is not None:
+                delta.generated = [generated]
+            if token is not None:
+                delta.tokens, delta.token_logprobs, delta.top_logprobs = [token], [logprob], [top]
+                delta.text_offset = [offset if offset < released else released]
+        elif self.finished or entries[-1][1] < released:
+            self._release_all(delta)
+        else:
+            self._release_due(delta)
+
+    def _release_all(self, delta: ChoiceDelta) -> None:
+        """Every queued entry, in one go (the columns by zip: offsets never decrease)."""
+        released = self._released
+        generated, offsets, tokens, logprobs, tops = zip(*self._entries)
+        self._entries = deque()
+        if self._options.generated_tokens:
+            delta.generated = [g for g in generated if g is not None]
+        if self._options.logprobs is not None:  # (then every entry has a token)
+            delta.tokens, delta.token_logprobs, delta.top_logprobs = tokens, logprobs, tops
+            delta.text_offset = (offsets if offsets[-1] < released
+                                 else [o if o < released else released for o in offsets])
+
+    def _release_due(self, delta: ChoiceDelta) -> None:
+        """The entries whose text was released (all of them once finished)."""
         entries, released, finished = self._entries, self._released, self.finished
-        if len(entries) > 1 and (finished or entries[-1][1] < released):  # all: in one go
-            generated, offsets, tokens, logprobs, tops = zip(*entries)  # (offsets never decrease)
-            self._entries = deque()
-            if self._options.generated_tokens:
-                delta.generated = [g for g in generated if g is not None]
-            if self._options.logprobs is not None:  # (then every entry has a token)
-                delta.tokens = list(tokens)
-                delta.token_logprobs = list(logprobs)
-                delta.top_logprobs = list(tops)
-                delta.text_offset = (list(offsets) if offsets[-1] < released
-                                     else [o if o < released else released for o in offsets])
-            return
+        generated: list[GeneratedToken] = []
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         while entries and (finished or entries[0][1] < released):
             generated_token, offset, token, logprob, top = entries.popleft()
             if generated_token is not None:
-                delta.generated.append(generated_token)
+                generated.append(generated_token)
             if token is not None:
-                delta.tokens.append(token)
-                delta.token_logprobs.append(logprob)
-                delta.top_logprobs.append(top)
-                delta.text_offset.append(offset if offset < released else released)
+                tokens.append(token)
+                values.append(logprob)
+                tops.append(top)
+                offsets.append(offset if offset < released else released)
+        if generated:
+            delta.generated = generated
+        if tokens:
+            delta.tokens, delta.token_logprobs = tokens, values
+            delta.top_logprobs, delta.text_offset = tops, offsets
 
 
 def merge_deltas(deltas: Iterable[ChoiceDelta]) -> ChoiceDelta:
     """Concatenate a choice's deltas in order: the non-streaming answer."""
-    merged = ChoiceDelta()
     parts: list[str] = []
+    generated: list[GeneratedToken] = []
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
     for d in deltas:
         parts.append(d.text)
-        merged.generated += d.generated
-        merged.tokens += d.tokens
-        merged.token_logprobs += d.token_logprobs
-        merged.top_logprobs += d.top_logprobs
-        merged.text_offset += d.text_offset
+        generated += d.generated
+        tokens += d.tokens
+        values += d.token_logprobs
+        tops += d.top_logprobs
+        offsets += d.text_offset
         if d.finish_reason is not None:
-            merged.finish_reason, merged.stop_reason = d.finish_reason, d.stop_reason
-    merged.text = "".join(parts)
-    return merged
+            finish_reason, stop_reason = d.finish_reason, d.stop_reason
+    return ChoiceDelta("".join(parts), generated, tokens, values, tops, offsets, finish_reason,
+                       stop_reason)

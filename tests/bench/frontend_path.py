@@ -119,10 +119,9 @@ async def one_round(served: Any, bodies: list[bytes], steps: int, echo: bool,
         run = ChoiceRun(client, plan.choices)  # type: ignore[arg-type]
         run.start()
         template = ChunkTemplate(plan.id, plan.created, plan.model, echo)
-
-        def chunks_of(index: int, delta: Any, template: ChunkTemplate = template) -> list[bytes]:
-            return [] if delta.is_empty else [template.chunk(index, delta)]
-
+        chunks_of = getattr(template, "chunks_of", None) or (  # (a checkout before it had one)
+            lambda index, delta, template=template: [] if delta.is_empty
+            else [template.chunk(index, delta)])
         pump = EventPump(run, CountingSSE(), chunks_of)  # type: ignore[arg-type]
         tasks.append(asyncio.create_task(pump.run()))
     rids = [plan.choices[0].request_id for plan in plans]

@@ -189,8 +189,8 @@ def test_echo_with_bos_and_prompt_logprobs(llama3_tokenizer: Any) -> None:
     assert first.tokens[0] == "<｜begin▁of▁sentence｜>"
     assert first.token_logprobs[0] is None and first.top_logprobs[0] is None
     # BOS owns nothing; " \xf0\x9f" owns the space, the emoji (its last token's) starts at 3
-    assert first.text_offset == [0, 0, 2, 3, 3]
-    assert first.token_logprobs[1:] == [-1.0, -2.0, -3.0, -4.0]
+    assert list(first.text_offset) == [0, 0, 2, 3, 3]
+    assert list(first.token_logprobs[1:]) == [-1.0, -2.0, -3.0, -4.0]
     assert first.top_logprobs[1] == {"0": -0.5, "Hi": -1.0}  # top-1 plus the prompt token
     out = merge_deltas(deltas)
     assert out.text == "Hi 🎉 yes" and out.text_offset[-1] == 4
@@ -309,7 +309,7 @@ def test_prompt_only(byte_bpe_tokenizer: Any) -> None:
     assert first.text == tok.decode(prompt, skip_special_tokens=True)
     assert first.finish_reason is None
     assert len(first.tokens) == len(prompt) and first.token_ids == []
-    assert (last.text, last.tokens, last.finish_reason) == ("", [], "length")
+    assert (last.text, list(last.tokens), last.finish_reason) == ("", [], "length")
     assert proc.num_generated_tokens == 0 and proc.finished
 
 
@@ -318,7 +318,7 @@ def test_prompt_of_special_tokens_only_keeps_its_entry_for_the_text(llama3_token
     options = OutputOptions(echo=True, logprobs=0)
     _, deltas = run_choice(tok, [tok.bos_token_id], encode(tok, "Hi"), options)
     assert deltas[0] == ChoiceDelta()  # no text yet, so no entry either
-    assert deltas[1].text == "Hi" and deltas[1].text_offset == [0, 0]
+    assert deltas[1].text == "Hi" and list(deltas[1].text_offset) == [0, 0]
 
 
 def test_token_id_prompt_ending_mid_character(byte_bpe_tokenizer: Any) -> None:
