@@ -1,10 +1,12 @@
-"""The frontend's connection to the engine core: one ZeroMQ DEALER, one routing task.
+"""The frontend's connection to the engine core: one ZeroMQ DEALER, read by one callback.
 
-`EngineClient.start()` connects, sends Hello and waits for Ready. From then on one background
-task decodes every engine frame and routes StepOutputs rows into per-request `OutputStream`s;
-a heartbeat task pings the engine every `heartbeat_interval` and, when nothing at all has been
-heard for `silence_timeout`, marks the engine unhealthy and fails every in-flight request with
-`EngineDeadError` (the HTTP layer answers 503). Hearing from the engine again marks it healthy.
+`EngineClient.start()` connects, sends Hello and waits for Ready. From then on every engine frame
+is decoded and its StepOutputs rows routed into per-request `OutputStream`s by one reader
+callback on the socket's file descriptor (a plain ZeroMQ socket driven by the event loop: no
+future or task per frame or per send). A heartbeat task pings the engine every
+`heartbeat_interval` and, when nothing at all has been heard for `silence_timeout`, marks the
+engine unhealthy and fails every in-flight request with `EngineDeadError` (the HTTP layer
+answers 503). Hearing from the engine again marks it healthy.
 
 A socket that answers is not enough: the engine's I/O thread answers pings, not the loop that
 does the work. Each ping answer carries the busy loop's progress, and an engine that has work
@@ -22,7 +24,6 @@ from typing import cast
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from frontend.engine.latency import LatencyRecorder
 from frontend.engine.stream import OutputStream, StepItem
@@ -85,8 +86,11 @@ class EngineClient:
         self._stall_timeout = stall_timeout
         self._stalled = False  # the engine answers but its loop makes no progress
         self._curve = curve
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        self._reading = False  # the socket's descriptor is watched by the event loop
+        self._drain_soon = False  # a drain is scheduled (frames may wait unsignalled)
+        self._handshake: asyncio.Future[wire.Ready] | None = None
         self._in = InputCodec()
         self._out = OutputCodec()
         self._requests: dict[str, tuple[OutputStream, int]] = {}
@@ -134,9 +138,13 @@ class EngineClient:
         if self._curve is not None:
             secure_client(self._sock, self._curve)
         self._sock.connect(self.address)
+        loop = asyncio.get_running_loop()
+        self._handshake = loop.create_future()
+        loop.add_reader(self._sock.fileno(), self._drain)
+        self._reading = True
         self._send(wire.Hello(client_id=self.identity.decode()))
         try:
-            self._ready = await asyncio.wait_for(self._await_ready(), self._handshake_timeout)
+            self._ready = await asyncio.wait_for(self._handshake, self._handshake_timeout)
         except TimeoutError:
             self._close_socket()
             raise EngineUnavailableError(
@@ -146,9 +154,12 @@ class EngineClient:
                 + (", and are its --curve-keys and ours from one `tandem keys` folder?"
                    if self._curve else "? (If it has --curve-keys, pass ours too.)")
             ) from None
+        finally:
+            self._handshake = None
         self._heard()
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._recv_loop()), loop.create_task(self._heartbeat())]
+        self._tasks = [loop.create_task(self._heartbeat())]
+        self._drain_soon = True  # whatever came after Ready
+        loop.call_soon(self._drain)
         return self._ready
 
     async def close(self) -> None:
@@ -219,14 +230,13 @@ class EngineClient:
     # -- internals -------------------------------------------------------------------------
 
     def _send(self, msg: wire.EngineInput) -> None:
-        # HWM is 0 (unbounded), so the send completes at once; the future needs no await.
-        self._sock.send(self._in.encode(msg))
-
-    async def _await_ready(self) -> wire.Ready:
-        while True:
-            msg = self._decode(await self._sock.recv())
-            if isinstance(msg, wire.Ready):
-                return msg
+        # HWM is 0 (unbounded): the send never waits. ZeroMQ's descriptor is edge-triggered,
+        # and a send may take in what arrived meanwhile without the descriptor telling: look.
+        sock = self._sock
+        sock.send(self._in.encode(msg), zmq.NOBLOCK)
+        if self._reading and not self._drain_soon and self._readable():
+            self._drain_soon = True
+            asyncio.get_running_loop().call_soon(self._drain)
 
     def _decode(self, frame: bytes) -> wire.EngineOutput | None:
         try:
@@ -235,26 +245,36 @@ class EngineClient:
             logger.warning("dropped an engine frame that does not decode (%d bytes)", len(frame))
             return None
 
-    async def _recv_loop(self) -> None:
-        """Route every frame; frames already waiting are routed before anything else runs, so
-        a consumer that fell behind finds several steps at once (and merges them). Then every
-        stream routed to is notified, in this one callback."""
-        nowait: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
-        while True:
-            self._handle(await self._sock.recv())
-            routed = 1
-            while cast(int, nowait.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                try:
-                    frame = nowait.recv(zmq.NOBLOCK)
-                except zmq.Again:
+    def _drain(self) -> None:
+        """Route every frame waiting (the reader callback): a consumer that fell behind finds
+        several steps at once, and merges them. Then every stream routed to is notified, in
+        this one callback. After MAX_DRAIN frames the rest waits for the next loop round, so
+        that consumers and handlers run now and then."""
+        self._drain_soon = False
+        sock, handle = self._sock, self._handle
+        if self._handshake is not None:
+            self._await_ready()
+            return
+        try:
+            for _ in range(MAX_DRAIN):
+                if not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     break
-                self._handle(frame)
-                routed += 1
-                if routed >= MAX_DRAIN:  # let the consumers and handlers run now and then
-                    self._notify()
-                    await asyncio.sleep(0)
-                    routed = 0
-            self._notify()
+                handle(sock.recv(zmq.NOBLOCK))
+            else:
+                self._drain_soon = True
+                asyncio.get_running_loop().call_soon(self._drain)
+        except zmq.ZMQError as exc:  # the socket is closing
+            logger.debug("engine socket: %s", exc)
+        self._notify()
+
+    def _await_ready(self) -> None:
+        """The handshake: frames before Ready are dropped."""
+        assert self._handshake is not None
+        while cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            msg = self._decode(self._sock.recv(zmq.NOBLOCK))
+            if isinstance(msg, wire.Ready) and not self._handshake.done():
+                self._handshake.set_result(msg)
+                return
 
     def _notify(self) -> None:
         news, self._news = self._news, []
@@ -408,7 +428,13 @@ class EngineClient:
             if not future.done():
                 future.set_exception(exc)
 
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            asyncio.get_running_loop().remove_reader(self._sock.fileno())
+
     def _close_socket(self) -> None:
+        self._stop_reading()
         # A live engine still gets the last aborts; a dead one must not delay the exit.
         self._sock.close(linger=200 if self._healthy else 0)
         self._healthy = False

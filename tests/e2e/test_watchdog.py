@@ -114,8 +114,8 @@ async def test_requests_of_a_silent_frontend_are_aborted(address: str, core: Stu
     await asyncio.sleep(0.2)  # it has pinged: a frontend the engine judges
     for task in gone._tasks:  # it stops pinging and reading, as a killed process would
         task.cancel()
+    gone._stop_reading()
     aborted = await _wait_for(lambda: "orphan" not in core.scheduler.requests, 5)
     assert aborted < 3.0  # 1 s of silence allowed here, checked once a second
     assert core.counts.frontends_lost == 1
-    gone._sock.close(linger=0)
-    gone._ctx.term()
+    gone._close_socket()
