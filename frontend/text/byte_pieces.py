@@ -20,7 +20,7 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders
 
-from frontend.text.logprob_text import UNICODE_TO_BYTE
+from frontend.text.logprob_text import byte_level_bytes
 
 
 class BytePieces:
@@ -77,6 +77,5 @@ class BytePieces:
         token = self._backend.id_to_token(token_id)
         if token is None:
             return b""
-        if all(ch in UNICODE_TO_BYTE for ch in token):
-            return bytes(UNICODE_TO_BYTE[ch] for ch in token)
-        return token.encode("utf-8")
+        raw = byte_level_bytes(token)
+        return token.encode("utf-8") if raw is None else raw

@@ -34,6 +34,18 @@ BYTE_TO_UNICODE: Mapping[int, str] = MappingProxyType(_bytes_to_unicode())
 UNICODE_TO_BYTE: Mapping[str, int] = MappingProxyType(
     {ch: b for b, ch in BYTE_TO_UNICODE.items()}
 )
+# str.translate tables: a byte-level piece's characters to the code points 0-255 of their bytes,
+# and every byte-level character deleted (what is left of a piece is not byte-level).
+_TO_BYTES = str.maketrans({ch: b for ch, b in UNICODE_TO_BYTE.items()})
+_DROP_BYTE_CHARS = str.maketrans(dict.fromkeys(UNICODE_TO_BYTE))
+
+
+def byte_level_bytes(piece: str) -> bytes | None:
+    """The bytes a byte-level BPE piece stands for (each character one byte under GPT-2's map),
+    or None when a character of it is not in the map (e.g. an added token's own text)."""
+    if piece.translate(_DROP_BYTE_CHARS):
+        return None
+    return piece.translate(_TO_BYTES).encode("latin-1")
 
 
 def bytes_repr(raw: bytes) -> str:
@@ -124,8 +136,8 @@ class TokenTextCache:
         piece = self._tokenizer.convert_ids_to_tokens(token_id)
         if not isinstance(piece, str):
             return None
-        if self._byte_level and all(ch in UNICODE_TO_BYTE for ch in piece):
-            return bytes(UNICODE_TO_BYTE[ch] for ch in piece)
+        if self._byte_level and (raw := byte_level_bytes(piece)) is not None:
+            return raw
         fallback = _BYTE_FALLBACK.fullmatch(piece)
         if fallback:
             return bytes([int(fallback.group(1), 16)])

@@ -13,7 +13,12 @@ from transformers import PreTrainedTokenizerFast
 import frontend.text.detokenizer as detokenizer_module
 from frontend.text.byte_pieces import BytePieces
 from frontend.text.detokenizer import IncrementalDetokenizer
-from frontend.text.logprob_text import TokenTextCache, _bytes_to_unicode, bytes_repr
+from frontend.text.logprob_text import (
+    TokenTextCache,
+    _bytes_to_unicode,
+    byte_level_bytes,
+    bytes_repr,
+)
 
 TEXTS = [
     "Hello, world! How are you?",
@@ -309,3 +314,16 @@ def test_special_token_strings(llama3_tokenizer: Any) -> None:
 def test_bytes_repr_is_lowercase_escaped_hex() -> None:
     assert bytes_repr(b"\xe4\xbd") == "bytes:\\xe4\\xbd"
     assert bytes_repr(b" \xe9") == "bytes:\\x20\\xe9"
+
+
+def test_byte_level_bytes_reads_every_piece_of_a_vocabulary(llama3_tokenizer: Any) -> None:
+    """Each character of a byte-level piece is one byte under GPT-2's map; a piece with any
+    other character (an added token's own text) is not byte-level."""
+    unicode_to_byte = {ch: b for b, ch in BYTE_CHAR.items()}
+    backend = llama3_tokenizer.backend_tokenizer
+    pieces = [backend.id_to_token(i) for i in range(backend.get_vocab_size())]
+    pieces += ["a b", "\x85", "é", "<think>", "ĠĀ", ""]
+    for piece in pieces:
+        want = (bytes(unicode_to_byte[ch] for ch in piece)
+                if all(ch in unicode_to_byte for ch in piece) else None)
+        assert byte_level_bytes(piece) == want, piece
