@@ -2,7 +2,8 @@
 # `make device-wheels`: what the GPU machine lacks, gathered into .device/ (git-ignored) for the
 # device tool's `carry` (docs/gpu.md). The machine has Python 3.12, torch, transformers, triton,
 # aiohttp, jinja2, numpy, tokenizers, tqdm and prometheus-client, and no package registry:
-#   .device/wheels      cp312 manylinux x86_64, the versions this venv runs: msgspec, pyzmq, xxhash
+#   .device/wheels      cp312 manylinux x86_64, the versions this venv runs: msgspec, pyzmq, xxhash,
+#                       uvloop
 #                       (needed), xgrammar with what it needs that the machine lacks (structured
 #                       outputs, imported at the first constrained request; about 5 MB),
 #                       jsonschema with its needs (the check's structured stage validates)
@@ -26,7 +27,7 @@ mkdir -p "$WHEELS" "$TOKENIZERS"
 platforms=()
 for n in 39 35 34 31 28 27 26 24 17; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
 platforms+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
-needed=(msgspec pyzmq xxhash)
+needed=(msgspec pyzmq xxhash uvloop)
 structured=(xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
             typing-extensions)
 checks=(jsonschema attrs jsonschema-specifications referencing rpds-py)  # the structured stage

@@ -14,7 +14,7 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 # Everything the check imports: what the machine should have, then what the wheels carry.
 MODULES="torch transformers numpy aiohttp jinja2 tokenizers tqdm prometheus_client msgspec zmq
-xgrammar pydantic jsonschema referencing rpds attrs xxhash"
+xgrammar pydantic jsonschema referencing rpds attrs xxhash uvloop"
 missing() {
   "$PYTHON" - $MODULES <<'PY'
 import importlib, sys

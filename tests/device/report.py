@@ -31,7 +31,7 @@ def environment(ctx: Context) -> dict[str, Any]:
         "commit": _commit(),
     }
     for package in ("transformers", "triton", "tokenizers", "msgspec", "pyzmq", "xxhash",
-                    "aiohttp"):
+                    "aiohttp", "uvloop"):
         try:
             env[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
