@@ -136,7 +136,13 @@ class ServingChat:
             return messages, tools.finish_reason(delta.finish_reason,
                                                  bool(readers[index].calls()))
 
+        plain = ContentChunks(plan.id, plan.created, plan.model)
+        content_only = (readers is None and thinking is None and logprobs.top_k is None
+                        and not with_usage)
+
         def chunks_of(index: int, delta: ChoiceDelta) -> list[bytes]:
+            if content_only and greeted[index] and delta.finish_reason is None:
+                return [plain.chunk(index, delta.text)] if delta.text else []
             chunks = []
             if not greeted[index]:
                 greeted[index] = True
@@ -155,6 +161,28 @@ class ServingChat:
 
         final = usage_chunk if options is not None and options.include_usage else None
         return await stream_choices(request, self.client, plan, chunks_of, final)
+
+
+class ContentChunks:
+    """The common chat chunk, a delta's content alone (no role, logprobs, finish or usage), from
+    parts encoded once per request; exactly msgspec's encoding of the ChatCompletionChunk the
+    same delta makes (the field order of protocol_chat.py)."""
+
+    _TAIL = (b'},"logprobs":null,"finish_reason":null,"stop_reason":null}],"usage":null,'
+             b'"object":"chat.completion.chunk"}')
+
+    def __init__(self, request_id: str, created: int, model: str) -> None:
+        encode = msgspec.json.encode
+        self._head = (b'{"id":' + encode(request_id) + b',"created":' + encode(created)
+                      + b',"model":' + encode(model) + b',"choices":[{"index":')
+        self._heads: dict[int, bytes] = {}
+        self._encode = msgspec.json.Encoder().encode
+
+    def chunk(self, index: int, content: str) -> bytes:
+        head = self._heads.get(index)
+        if head is None:
+            head = self._heads[index] = self._head + str(index).encode() + b',"delta":{"content":'
+        return head + self._encode(content) + self._TAIL
 
 
 def tool_message(tools: ToolPlan, delta: ChoiceDelta) -> tuple[ResponseMessage, str | None]:

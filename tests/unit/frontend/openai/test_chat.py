@@ -267,3 +267,18 @@ async def test_auto_tool_choice_warns_when_the_template_never_shows_the_tools(
     with caplog.at_level("WARNING", logger="frontend.server"):  # a tokenizer of its own:
         await aiohttp_client(init_app(config, load_tokenizer))  # the template is set on it
     assert ("never reads `tools`" in caplog.text) == warned
+
+
+@pytest.mark.parametrize("content", ['a "quoted" \\ 你好 🎉\n', "", "\u2028\x00"])
+def test_content_chunk_bytes_are_msgspecs_encoding(content: str) -> None:
+    import msgspec
+
+    from frontend.openai.chat import ContentChunks
+    from frontend.openai.protocol_chat import ChatCompletionChunk, ChatStreamChoice, DeltaMessage
+
+    chunks = ContentChunks("chatcmpl-\u00e9x", 1700000000, 'm"odel')
+    for index in (0, 3, 0):
+        choice = ChatStreamChoice(index, DeltaMessage(content=content))
+        expected = msgspec.json.encode(
+            ChatCompletionChunk("chatcmpl-\u00e9x", 1700000000, 'm"odel', [choice]))
+        assert chunks.chunk(index, content) == expected
