@@ -103,7 +103,8 @@ class ChunkTemplate:
     delta's own fields are encoded. The bytes are exactly msgspec's encoding of the
     CompletionStreamChunk the same delta makes (the field order of protocol.py)."""
 
-    _PLAIN_TAIL = b',"logprobs":null,"finish_reason":null,"stop_reason":null}]'
+    _UNFINISHED = b',"finish_reason":null,"stop_reason":null}]'
+    _PLAIN_TAIL = b',"logprobs":null' + _UNFINISHED
     _END = b',"object":"text_completion"}'
     _PLAIN_END = _PLAIN_TAIL + b',"usage":null' + _END  # no logprobs, no finish, no usage
 
@@ -139,9 +140,12 @@ class ChunkTemplate:
             if self._with_logprobs:
                 logprobs = encode(CompletionLogprobs(delta.text_offset, delta.token_logprobs,
                                                      delta.tokens, delta.top_logprobs))
-            tail = (b',"logprobs":' + logprobs + b',"finish_reason":'
-                    + encode(delta.finish_reason) + b',"stop_reason":'
-                    + encode(delta.stop_reason) + b"}]")
+            if delta.finish_reason is None and delta.stop_reason is None:
+                tail = b',"logprobs":' + logprobs + self._UNFINISHED
+            else:
+                tail = (b',"logprobs":' + logprobs + b',"finish_reason":'
+                        + encode(delta.finish_reason) + b',"stop_reason":'
+                        + encode(delta.stop_reason) + b"}]")
         else:
             tail = self._PLAIN_TAIL
         usage_json = b"null" if usage is None else encode(usage)
