@@ -37,7 +37,13 @@ from frontend.openai.protocol_chat import (
 )
 from frontend.openai.reasoning import ReasoningConfig
 from frontend.openai.served_model import ServedModel
-from frontend.openai.serving import collect_choices, json_response, prepare, stream_choices
+from frontend.openai.serving import (
+    chunk_head,
+    collect_choices,
+    json_response,
+    prepare,
+    stream_choices,
+)
 from frontend.openai.tool_calls import ChoiceTools, ToolPlan, read_tool_plan
 from frontend.text.logprob_text import TokenTextCache
 from frontend.text.output_processor import ChoiceDelta, GeneratedToken, merge_deltas
@@ -172,9 +178,7 @@ class ContentChunks:
              b'"object":"chat.completion.chunk"}')
 
     def __init__(self, request_id: str, created: int, model: str) -> None:
-        encode = msgspec.json.encode
-        self._head = (b'{"id":' + encode(request_id) + b',"created":' + encode(created)
-                      + b',"model":' + encode(model) + b',"choices":[{"index":')
+        self._head = chunk_head(request_id, created, model)
         self._heads: dict[int, bytes] = {}
         self._encode = msgspec.json.Encoder().encode
 

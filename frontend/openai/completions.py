@@ -24,7 +24,13 @@ from frontend.openai.protocol import (
     decode_request,
 )
 from frontend.openai.served_model import ServedModel
-from frontend.openai.serving import collect_choices, json_response, prepare, stream_choices
+from frontend.openai.serving import (
+    chunk_head,
+    collect_choices,
+    json_response,
+    prepare,
+    stream_choices,
+)
 from frontend.text.output_processor import ChoiceDelta, merge_deltas
 
 
@@ -109,9 +115,7 @@ class ChunkTemplate:
     _PLAIN_END = _PLAIN_TAIL + b',"usage":null' + _END  # no logprobs, no finish, no usage
 
     def __init__(self, request_id: str, created: int, model: str, with_logprobs: bool) -> None:
-        encode = msgspec.json.encode
-        self._head = (b'{"id":' + encode(request_id) + b',"created":' + encode(created)
-                      + b',"model":' + encode(model) + b',"choices":[{"index":')
+        self._head = chunk_head(request_id, created, model)
         self._heads: dict[int, bytes] = {}
         self._with_logprobs = with_logprobs
         self._encode = msgspec.json.Encoder().encode

@@ -330,6 +330,15 @@ class EventPump:
         return [chunk for index, delta in outputs for chunk in chunks_of(index, delta)]
 
 
+def chunk_head(request_id: str, created: int, model: str) -> bytes:
+    """What every streamed chunk of a request starts with, up to its choice's index: msgspec's
+    encoding of a chunk's first fields (id, created, model, then the choices), for the
+    per-request chunk templates of completions and chat."""
+    encode = msgspec.json.encode
+    return (b'{"id":' + encode(request_id) + b',"created":' + encode(created)
+            + b',"model":' + encode(model) + b',"choices":[{"index":')
+
+
 def json_response(payload: Any) -> web.Response:
     """A 200 with `payload` (a msgspec Struct, or plain JSON data) as its JSON body."""
     return web.Response(body=msgspec.json.encode(payload), content_type="application/json")
