@@ -170,8 +170,12 @@ async def stream_one(session: aiohttp.ClientSession, url: str, i: int) -> tuple[
                 return sent, f"{resp.status}: {(await resp.json())['error']['message']}"
             async for raw in resp.content:
                 line = raw.decode().strip()
-                if line.startswith("data: {") and '"error"' in line:
-                    return sent, "event: " + json.loads(line[6:])["error"]["message"]
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])  # (a chunk's text may itself hold '"error"')
+                if "error" in event:
+                    return sent, "event: " + event["error"]["message"]
+                assert "choices" in event, line
         return sent, "ok"
     except aiohttp.ClientError as exc:
         return sent, f"connection: {exc}"
