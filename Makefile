@@ -16,10 +16,15 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[test]'
 	touch $(STAMP)
 
+# The suite's files on TEST_WORKERS pytest-xdist workers (each file's tests together, in one
+# worker, so a module's server fixture starts once): most of an e2e test's time is waiting on
+# its processes, so two workers on two cores take ~0.55x the time of one.
+TEST_WORKERS ?= 2
+
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 run: install
 	$(VENV)/bin/tandem serve
