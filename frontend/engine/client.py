@@ -270,7 +270,7 @@ class EngineClient:
     def _await_ready(self) -> None:
         """The handshake: frames before Ready are dropped."""
         assert self._handshake is not None
-        while cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        while self._readable():
             msg = self._decode(self._sock.recv(zmq.NOBLOCK))
             if isinstance(msg, wire.Ready) and not self._handshake.done():
                 self._handshake.set_result(msg)

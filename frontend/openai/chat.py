@@ -142,12 +142,12 @@ class ServingChat:
             return messages, tools.finish_reason(delta.finish_reason,
                                                  bool(readers[index].calls()))
 
-        plain = ContentChunks(plan.id, plan.created, plan.model)
         content_only = (readers is None and thinking is None and logprobs.top_k is None
                         and not with_usage)
+        plain = ContentChunks(plan.id, plan.created, plan.model) if content_only else None
 
         def chunks_of(index: int, delta: ChoiceDelta) -> list[bytes]:
-            if content_only and greeted[index] and delta.finish_reason is None:
+            if plain is not None and greeted[index] and delta.finish_reason is None:
                 return [plain.chunk(index, delta.text)] if delta.text else []
             chunks = []
             if not greeted[index]:
