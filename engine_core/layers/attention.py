@@ -12,8 +12,9 @@ attends:
 - prefill chunks one SDPA call each, causal with the chunk's offset in its sequence. A chunk
   that starts its sequence attends to the step's own K/V, with no gather at all; a later chunk
   (after a cached prefix, or a chunked prompt's next part) gathers its context's blocks.
-`paged_attention` is the portable torch path (CPU, and CUDA fallback); a fast CUDA kernel
-slots in by registering another function with the same signature.
+`attend` is the portable torch path (CPU, and CUDA fallback) for Tandem's own models, which
+write the step's K/V themselves (ops.py, `rope_and_cache`); `paged_attention` wraps it for
+the models that run through transformers' module tree (as its attention interface).
 """
 
 from __future__ import annotations
@@ -126,45 +127,55 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     scaling: float | None = None, dropout: float = 0.0,
                     tandem_meta: AttentionMetadata | None = None, **_: object
                     ) -> tuple[torch.Tensor, None]:
-    """transformers attention-interface function: query [1, H, T, D], key/value [1, Hkv, T, D].
+    """transformers attention-interface function (the models it runs through transformers):
+    query [1, H, T, D], key/value [1, Hkv, T, D]; the step's K/V written, then `attend`.
 
     Returns [1, T, H, D] as transformers expects.
     """
     assert tandem_meta is not None, "paged_attention needs tandem_meta"
-    meta = tandem_meta
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]  # type: ignore[index]
-    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
-    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
-
+    layer: int = module.layer_idx  # type: ignore[assignment]
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
+    k_cache, v_cache = tandem_meta.kv_caches[layer]
+    k_cache.index_copy_(0, tandem_meta.slot_mapping, k)
+    v_cache.index_copy_(0, tandem_meta.slot_mapping, v)
     q = query[0].transpose(0, 1)  # [T, H, D]
-    out = torch.empty_like(q)
+    return attend(layer, q, k, v, scaling or q.shape[-1] ** -0.5, tandem_meta)[None], None
+
+
+def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Layer `layer`'s attention of the step's queries q [T, H, D] over their contexts, the
+    step's own keys and values k, v [T, Hkv, D] already in the cache; into `out` [T, H, D]
+    when given. (The attention backend of Tandem's own models, engine_core/models/.)"""
+    k_cache, v_cache = meta.kv_caches[layer]
+    out = torch.empty_like(q) if out is None else out
     blocks_k = k_cache.view(-1, meta.block_size, *k_cache.shape[1:])  # [blocks, bs, Hkv, D]
     blocks_v = v_cache.view(-1, meta.block_size, *v_cache.shape[1:])
     if len(meta.decode_rows) and meta.decode_kernels is not None:
         out[meta.decode_rows] = _decode_in_place(meta, q[meta.decode_rows].contiguous(), k_cache,
-                                                 v_cache, scaling or q.shape[-1] ** -0.5)
+                                                 v_cache, scale)
     elif len(meta.decode_rows):
         bd = len(meta.decode_rows)
         qd = q[meta.decode_rows].unsqueeze(2)  # [Bd, H, 1, D]
         kd = blocks_k.index_select(0, meta.decode_blocks).view(bd, -1, *k_cache.shape[1:])
         vd = blocks_v.index_select(0, meta.decode_blocks).view(bd, -1, *v_cache.shape[1:])
         od = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
-                                            attn_mask=meta.decode_mask, scale=scaling,
+                                            attn_mask=meta.decode_mask, scale=scale,
                                             enable_gqa=True)
         out[meta.decode_rows] = od.squeeze(2)
     for chunk in meta.prefills:
         qp = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if chunk.blocks is None:  # the sequence's first chunk: its context is this step's K/V
-            kp, vp = key[:, :, chunk.rows], value[:, :, chunk.rows]  # [1, Hkv, q, D]
+            kp, vp = k[chunk.rows], v[chunk.rows]  # [q, Hkv, D]
         else:
             kp = blocks_k.index_select(0, chunk.blocks).flatten(0, 1)[:chunk.context]
             vp = blocks_v.index_select(0, chunk.blocks).flatten(0, 1)[:chunk.context]
-            kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
-        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask,
-                                            is_causal=chunk.mask is None, scale=scaling,
-                                            enable_gqa=True)
+        op = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0),
+                                            vp.transpose(0, 1).unsqueeze(0),
+                                            attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                            scale=scale, enable_gqa=True)
         out[chunk.rows] = op[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out
 
 
 def _decode_in_place(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor,

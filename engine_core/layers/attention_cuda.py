@@ -169,26 +169,38 @@ def cuda_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                          scaling: float | None = None, dropout: float = 0.0,
                          tandem_meta: CudaAttentionMetadata | None = None, **_: object
                          ) -> tuple[torch.Tensor, None]:
-    """transformers attention-interface function: query [1, H, T, D], key/value [1, Hkv, T, D].
+    """transformers attention-interface function (the models it runs through transformers):
+    query [1, H, T, D], key/value [1, Hkv, T, D]; the step's K/V written, then `attend`.
 
     Returns [1, T, H, D] as transformers expects."""
     assert tandem_meta is not None, "cuda_paged_attention needs tandem_meta"
     meta = tandem_meta
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]  # type: ignore[index]
+    layer: int = module.layer_idx  # type: ignore[assignment]
+    k_cache, v_cache = meta.kv_caches[layer]
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
     meta.kernels.write_kv(k_new, v_new, k_cache, v_cache, meta.slot_mapping)
     q = query[0].transpose(0, 1)  # [T, H, D]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    return attend(layer, q, k_new, v_new, scale, meta).unsqueeze(0), None
+
+
+def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           meta: CudaAttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Layer `layer`'s attention of the step's queries q [T, H, D] over their contexts, the
+    step's own keys and values k, v [T, Hkv, D] already in the cache; into `out` [T, H, D]
+    when given. (The attention backend of Tandem's own models, engine_core/models/.)"""
+    k_cache, v_cache = meta.kv_caches[layer]
     dec = meta.decode
     if dec is not None and dec.rows is None:  # a decode-only step: every row decodes
         assert meta.kernels.decode is not None and meta.varlen is None
-        return meta.kernels.decode(q, k_cache, v_cache, dec, scale, meta.block_size)[None], None
-    out = q.new_empty(q.shape)
+        result = meta.kernels.decode(q, k_cache, v_cache, dec, scale, meta.block_size)
+        return result if out is None else out.copy_(result)
+    out = q.new_empty(q.shape) if out is None else out
     if meta.varlen is not None:
         batch = meta.varlen
         qv = q.index_select(0, batch.rows)
         if batch.kv_slots is None:  # every chunk starts its sequence: the step's own K/V
-            kv = k_new.index_select(0, batch.rows), v_new.index_select(0, batch.rows)
+            kv = k.index_select(0, batch.rows), v.index_select(0, batch.rows)
         else:
             kv = k_cache.index_select(0, batch.kv_slots), v_cache.index_select(0, batch.kv_slots)
         out.index_copy_(0, batch.rows, meta.kernels.varlen(qv, *kv, batch, scale))
@@ -197,7 +209,7 @@ def cuda_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         od = meta.kernels.decode(q.index_select(0, dec.rows), k_cache, v_cache, dec, scale,
                                  meta.block_size)
         out.index_copy_(0, dec.rows, od)
-    return out.unsqueeze(0), None
+    return out
 
 
 # -- the kernels ----------------------------------------------------------------------------
