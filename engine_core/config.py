@@ -27,6 +27,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None => leave torch's choice
     trust_remote_code: bool = False
+    model_impl: str = "auto"  # auto | tandem | transformers (engine_core/worker/loader.py)
     enforce_eager: bool = False  # no CUDA graphs
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode graphs' batch sizes; None: ladder
     async_scheduling: bool | None = None  # overlapped steps; None: the platform's default
@@ -42,5 +43,8 @@ class EngineConfig:
             raise ValueError(f"--dtype {self.dtype!r}: choose auto, float32, bfloat16 or float16")
         if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
             raise ValueError("--cuda-graph-sizes must be positive batch sizes")
+        if self.model_impl not in ("auto", "tandem", "transformers"):
+            raise ValueError(f"--model-impl {self.model_impl!r}: choose auto, tandem or "
+                             "transformers")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: choose auto, cpu or cuda")

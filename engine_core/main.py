@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             generation_config=args.generation_config,
             enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype, device=args.device,
             seed=args.seed, num_threads=args.num_threads, trust_remote_code=args.trust_remote_code,
+            model_impl="tandem" if args.model_impl == "vllm" else args.model_impl,
             enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
             cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None)
         core = EngineCore(config)

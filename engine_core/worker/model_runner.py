@@ -1,25 +1,24 @@
-"""Loads a Hugging Face causal LM and runs one packed forward per engine step.
+"""Runs the model: one packed forward per engine step, over the paged KV cache.
 
-Why transformers' own model classes and not hand-written ones: registering a paged-attention
-function through `AttentionInterface` lets Llama, Qwen2, Mistral (and every other decoder
-whose attention goes through that interface) run packed, mixed prefill+decode batches with
-tokens identical to `generate()`. The Python overhead of HF's module tree over a hand-written
-Llama only matters for tiny models at small batch (docs/benchmarks.md). One code path for
-every architecture, exact parity and no weight-loading code to keep win.
+The model is Tandem's own file for its family where there is one, else transformers' module
+tree (loader.py). Writing the forward in the repo is what a GPU needs: transformers' tree
+launches one kernel (and one trip through memory) per small op, some 660 a decode step of a
+1B model, which CUDA graphs replay without their launch cost but not their GPU cost; the
+model files run merged products and fused ops (engine_core/layers/ops.py) instead, about ten
+kernels a layer (docs/gpu.md). On the CPU the same files run the compiled C kernels.
 
-The attention function is the platform's (`Platform.attention`): the portable torch path
-(attention.py) or the CUDA kernels (attention_cuda.py). On the CPU the Llama and Qwen2 layers
-run their elementwise work fused (fused.py) where `Platform.fused_elementwise` says. A step's
-inputs come from the persistent block table (input_batch.py) and reach the device without a
-host sync (host_link.py); decode-only steps replay CUDA graphs where the platform captures
-them (cuda_graphs.py). Where the KV cache is sized from the device's memory
+The attention is the platform's (`Platform.attention`): the portable torch path
+(attention.py) or the CUDA kernels (attention_cuda.py). A step's inputs come from the
+persistent block table (input_batch.py) and reach the device without a host sync
+(host_link.py); decode-only steps replay CUDA graphs where the platform captures them
+(cuda_graphs.py), and the other steps of a model file's run in CUDA graphs between its
+attentions (piecewise.py). Where the KV cache is sized from the device's memory
 (`Platform.profiles_memory`), one step at the largest budget is run and measured first, the
 sampler's costliest case included (memory_profile.py), and the graphs' memory is set aside.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,27 +26,22 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, GenerationConfig
 
 from engine_core.config import EngineConfig
 from engine_core.layers import attention, attention_cuda, native, triton_attention
 from engine_core.layers.chunk_pool import ChunkPool
-from engine_core.layers.fused import ElementwiseOps, fuse_decoder
 from engine_core.layers.linear import prepare_linears
 from engine_core.layers.lm_head import LMHead
 from engine_core.sample.device_sampler import DeviceSampler, HeadWeights
 from engine_core.sched.scheduler import SchedulerOutput
 from engine_core.worker.cuda_graphs import GraphRunner, reserve_bytes
 from engine_core.worker.input_batch import BlockTables, StepInputs, StepRows
+from engine_core.worker.loader import load
 from engine_core.worker.memory_profile import StepMemory, max_useful_blocks, measure_step
 from engine_core.worker.platform import AttentionBackend, Platform
 
 log = logging.getLogger(__name__)
-ATTENTION_NAMES: dict[AttentionBackend, str] = {"portable": "tandem_paged",
-                                                "native": "tandem_paged",  # the same function
-                                                "cuda": "tandem_paged_cuda"}
-AttentionInterface.register(ATTENTION_NAMES["portable"], attention.paged_attention)
-AttentionInterface.register(ATTENTION_NAMES["cuda"], attention_cuda.cuda_paged_attention)
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -88,33 +82,21 @@ class ModelRunner:
         self.device = platform.device
         self.dtype = platform.dtype
         self.link = platform.host_link()
-        hf_config = AutoConfig.from_pretrained(config.model,
-                                               trust_remote_code=config.trust_remote_code)
-        # transformers' auto classes are typed loosely: the model is used through its own API
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            config.model, config=hf_config, dtype=self.dtype,
-            attn_implementation=ATTENTION_NAMES[platform.attention],
-            trust_remote_code=config.trust_remote_code, **_placement(self.device))
-        self.model = model.to(self.device).eval()  # (there already, when loaded in place)
-        self.decoder = self.model.get_decoder()
+        self.hf_config = AutoConfig.from_pretrained(config.model,
+                                                    trust_remote_code=config.trust_remote_code)
+        text = _text_config(self.hf_config)
+        self.facts = _model_facts(config, text)
+        loaded = load(config, self.hf_config, platform, self.facts.max_model_len)
+        self.decoder = loaded.decoder
+        self.pieces = loaded.pieces  # the decoder in pieces, where it runs so (piecewise.py)
         workers = platform.linear_workers
         self.linear_pool = None if workers is None else ChunkPool(workers, "linears")
-        # fused before the linears are prepared: it merges some of them
-        fused = (fuse_decoder(self.decoder, ElementwiseOps(platform.head_kernels))
-                 if platform.fused_elementwise and platform.head_kernels is not None else 0)
         linears = prepare_linears(self.decoder, platform.transposed_linears,
                                   platform.head_kernels, platform.decoder_panels, self.linear_pool)
-        if fused:
-            linears += f"; elementwise work fused in {fused} layers"
-        text = _text_config(hf_config)
-        lm_head = self.model.get_output_embeddings()
-        self.head = LMHead(lm_head.weight, getattr(lm_head, "bias", None),
-                           getattr(text, "final_logit_softcapping", None),
-                           kernels=platform.head_kernels, workers=platform.head_workers,
-                           chunk=platform.head_chunk)
-        self.head_weights = HeadWeights(lm_head.weight, getattr(lm_head, "bias", None),
-                                        getattr(text, "final_logit_softcapping", None))
-        self.facts = _model_facts(config, text)
+        head = loaded.head
+        self.head = LMHead(head.weight, head.bias, head.softcap, kernels=platform.head_kernels,
+                           workers=platform.head_workers, chunk=platform.head_chunk)
+        self.head_weights = HeadWeights(head.weight, head.bias, head.softcap)
         self.block_size = config.block_size
         self.kernels = (attention_cuda.cuda_kernels(self.dtype, platform.triton_decode,
                                                     platform.triton_kv_write, self.device)
@@ -130,9 +112,9 @@ class ModelRunner:
                                   self.block_size, self.device, self.link,
                                   dummy_block=self.num_blocks)
         self.graphs = self._capture(graph_sizes) if graph_sizes else None
-        log.info("model %s on %s/%s, %d KV blocks of %d tokens, %s attention, LM head on %s "
-                 "ops, decoder linears %s; decode steps %s", config.model, self.device,
-                 self.dtype, self.num_blocks, self.block_size, platform.attention,
+        log.info("model %s (%s) on %s/%s, %d KV blocks of %d tokens, %s attention, LM head "
+                 "on %s ops, decoder linears %s; decode steps %s", config.model, loaded.source,
+                 self.device, self.dtype, self.num_blocks, self.block_size, platform.attention,
                  self.head.backend, linears,
                  f"in CUDA graphs of {len(self.graphs.graphs)} sizes up to "
                  f"{self.graphs.max_size}" if self.graphs and self.graphs.graphs else "eager")
@@ -182,9 +164,7 @@ class ModelRunner:
         decode = attention_cuda.Decode(None, self.tables.device, table_rows, seq_lens, splits)
         meta = attention_cuda.CudaAttentionMetadata(slots, self.block_size, None, decode,
                                                     self.kv_caches, self.kernels)
-        out = self.decoder(input_ids=ids[None], position_ids=positions[None], use_cache=False,
-                           tandem_meta=meta)
-        hidden: torch.Tensor = out.last_hidden_state[0]
+        hidden: torch.Tensor = self.decoder(ids, positions, meta)
         return hidden
 
     def _allocate_kv(self, num_blocks: int) -> KVCaches:
@@ -257,9 +237,7 @@ class ModelRunner:
         if len(inputs.pending_rows):
             assert previous is not None, "a placeholder with no step before it"
             input_ids.index_copy_(0, dst, previous.index_select(0, src))
-        out = self.decoder(input_ids=input_ids[None], position_ids=position_ids[None],
-                           use_cache=False, tandem_meta=meta)
-        hidden: torch.Tensor = out.last_hidden_state[0]
+        hidden: torch.Tensor = self.decoder(input_ids, position_ids, meta)
         return hidden if every_row else hidden[keep]
 
     @torch.inference_mode()
@@ -300,15 +278,6 @@ def _rows(hidden: torch.Tensor, keep: np.ndarray, link: Any) -> torch.Tensor:
     if _every_row(keep, len(hidden)):
         return hidden
     return hidden.index_select(0, link.upload(keep))
-
-
-def _placement(device: torch.device) -> dict[str, Any]:
-    """from_pretrained's arguments that load the weights straight onto an accelerator: its
-    device_map, which transformers honours through accelerate; without accelerate (or on the
-    CPU) the weights load on the host and are moved."""
-    if device.type == "cpu" or importlib.util.find_spec("accelerate") is None:
-        return {}
-    return {"device_map": str(device)}
 
 
 def _kv_shape(text: Any) -> KVShape:

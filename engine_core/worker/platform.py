@@ -17,10 +17,12 @@ from typing import Literal
 import torch
 
 from engine_core.config import EngineConfig
-from engine_core.layers import native
+from engine_core.layers import native, triton_attention
 from engine_core.layers.host_link import HostLink
 from engine_core.layers.linear import transposed_is_faster
 from engine_core.layers.lm_head import HeadBackend
+from engine_core.layers.ops import LayerOps, NativeOps, TorchOps
+from engine_core.layers.triton_ops import TritonOps
 from engine_core.worker.cuda_graphs import capture_sizes
 from engine_core.worker.default_model import cache_root
 from engine_core.worker.memory_profile import StepMemory, kv_budget
@@ -58,14 +60,15 @@ class Platform:
     # the decoder's linears also packed in panels for decode steps (linear.py): as
     # TANDEM_PANELS=1|0 says, or None: measured on the model once it is loaded
     decoder_panels: bool | None
-    # the decoder layers' elementwise work (RMSNorm, rotary, SiLU x up, residual adds) fused
-    # into the compiled kernels (fused.py): CPU, float32, kernels built; TANDEM_FUSED=1|0
+    # the decoder layers' small ops (RMSNorm, rotary, SiLU x up, residual adds) on the
+    # compiled kernels (ops.py, NativeOps): CPU, float32, kernels built; TANDEM_FUSED=1|0
     fused_elementwise: bool
     device_sampling: bool  # sampling on the device (device_sampler.py), else on the head's scan
     attention: AttentionBackend  # the paged attention the model runs with
     # batch sizes of the decode steps' CUDA graphs (cuda_graphs.py); empty: every step eager
     cuda_graph_sizes: tuple[int, ...] = ()
-    # step N+1 scheduled and prepared while step N runs (engine.py): --async-scheduling
+    # step N+1 scheduled and prepared while step N runs (engine.py): --async-scheduling, by
+    # default on CUDA (measured faster there at every concurrency: docs/benchmarks.md)
     async_scheduling: bool = False
     triton_decode: bool = True  # the CUDA path's decodes on the Triton kernel (TANDEM_...)
     triton_kv_write: bool = True  # ... and its KV-cache write
@@ -117,11 +120,21 @@ class Platform:
             cuda_graph_sizes=graph_sizes(config, device,
                                          config.max_num_seqs or default_max_num_seqs(device,
                                                                                      large)),
-            async_scheduling=bool(config.async_scheduling),
+            async_scheduling=(device.type == "cuda" if config.async_scheduling is None
+                              else config.async_scheduling),
             triton_decode=env.get("TANDEM_TRITON_DECODE", "1") != "0",
             triton_kv_write=env.get("TANDEM_TRITON_KV_WRITE", "1") != "0",
             head_kernels=kernels,
         )
+
+    def layer_ops(self) -> LayerOps:
+        """The decoder layers' small ops (engine_core/layers/ops.py): the Triton kernels on
+        CUDA, the compiled CPU kernels where `fused_elementwise`, else torch's own ops."""
+        if self.attention == "cuda" and self.device.type == "cuda" and triton_attention.available():
+            return TritonOps()
+        if self.fused_elementwise and self.head_kernels is not None:
+            return NativeOps(self.head_kernels)
+        return TorchOps()
 
     @property
     def linear_workers(self) -> int | None:
@@ -270,7 +283,7 @@ def _fused_elementwise(dtype: torch.dtype, kernels: native.Kernels | None,
     possible = kernels is not None and dtype == torch.float32
     if env.get("TANDEM_FUSED") == "1" and not possible:
         log.warning("TANDEM_FUSED=1: the fused elementwise kernels need the CPU kernels and "
-                    "float32; the decoder runs transformers' own ops")
+                    "float32; the decoder runs torch's own ops")
     return wanted and possible
 
 

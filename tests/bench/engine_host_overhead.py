@@ -36,7 +36,6 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -80,13 +79,13 @@ class PhaseClock:
 def stub_model(core: EngineCore, cuda_path: bool = False) -> None:
     """The decoder returns zeros of the right shape; the sampler's head is a 512-token one."""
     runner = core.runner
-    hidden = runner.model.config.hidden_size
+    hidden = runner.hf_config.hidden_size
     zeros = torch.zeros(1, 16384, hidden)
 
-    def decoder(input_ids: torch.Tensor, **_: Any) -> SimpleNamespace:
-        return SimpleNamespace(last_hidden_state=zeros[:, :input_ids.shape[1]])
+    def decoder(ids: torch.Tensor, *_: Any) -> torch.Tensor:
+        return zeros[0, :len(ids)]
 
-    runner.decoder = decoder
+    runner.decoder = decoder  # type: ignore[assignment]
     if cuda_path:  # the graph runner's stand-in, over the stub
         runner.graphs = GraphRunner(capture_sizes(core.platform.max_num_seqs),
                                     lambda ids, *_: zeros[0, :len(ids)], runner.device,

@@ -131,7 +131,7 @@ def test_the_captured_decode_forward_never_syncs(tiny_llama, monkeypatch):
     fn = graphs._bound(8)  # what the capture of the size-8 graph runs
     with torch.inference_mode(), recorder:
         hidden = fn()
-    assert hidden.shape == (8, core.runner.model.config.hidden_size)
+    assert hidden.shape == (8, core.runner.hf_config.hidden_size)
     syncing = {op: n for op, n in recorder.ops.items() if any(s in op for s in SYNCING)}
     assert not syncing, f"host syncs or data-shaped ops in the graph: {syncing}"
     assert "embedding" in recorder.ops and len(recorder.ops) > 20, recorder.ops

@@ -1,7 +1,8 @@
 """The engine's packages and their import order (docs/architecture.md): read from the source.
 
-Layers, bottom up: `layers/` and `structured/` (import nothing else of the engine), `sched/`,
-`sample/`, `worker/`, then the root's step pipeline and process. A module imports only its own
+Layers, bottom up: `layers/` and `structured/` (import nothing else of the engine), `sched/`
+and `models/` (the model files, on `layers/`), `sample/`, `worker/`, then the root's step
+pipeline and process. A module imports only its own
 package, packages below it, and the root's `config` (a leaf that imports nothing); no circle.
 """
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import engine_core
 
 ROOT = Path(engine_core.__file__).parent
-RANK = {"layers": 0, "structured": 0, "sched": 1, "sample": 2, "worker": 3, "": 4}
+RANK = {"layers": 0, "structured": 0, "sched": 1, "models": 1, "sample": 2, "worker": 3, "": 4}
 LEAF = "engine_core.config"
 
 

@@ -1,0 +1,123 @@
+"""A model file's weights, straight from the checkpoint's safetensors files onto the device.
+
+The model is built on the meta device (no memory, no random init), given empty storage of the
+serving dtype on the device, then each tensor of the checkpoint is copied into its place: a
+projection that the model merges (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`: the
+class's `packed()`) into its rows of the merged weight. Every place must be filled once and
+every tensor must have a place (a tied LM head's copy and transformers' rotary buffers
+excepted): a checkpoint that does not fit the class is an error that names the tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine_core.models.parts import ModelKit, Part
+
+SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # computed, in old checkpoints
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a model folder (by its index when sharded); none: []."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = json.loads(index.read_text())["weight_map"].values()
+        return sorted({folder / name for name in shards})
+    return sorted(folder.glob("*.safetensors"))
+
+
+def local_folder(model: str) -> Path | None:
+    """The folder of `model` (a folder, or a hub id: its snapshot's config and safetensors
+    files, from the local cache or the hub as huggingface_hub is set up); None if the hub
+    cannot give it."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception:  # no network, no such repository: the caller falls back
+        return None
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(cls: Any, config: Any, kit: ModelKit, files: list[Path], dtype: torch.dtype,
+               device: torch.device, positions: int) -> Any:
+    """`cls(config, kit)` with its weights from `files`, in `dtype` on `device`, ready for
+    `positions` positions."""
+    with torch.device("meta"), _default_dtype(dtype):
+        model = cls(config, kit)
+    model = model.to_empty(device=device).eval().requires_grad_(False)
+    load_weights(model, files, device)
+    model.model.prepare(positions)
+    return model
+
+
+def load_weights(model: nn.Module, files: list[Path], device: torch.device) -> None:
+    params = dict(model.named_parameters())
+    packed: dict[str, Part] = model.packed()  # type: ignore[operator]
+    filled: set[tuple[str, int]] = set()
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                for key in f.keys():
+                    name, part = _place(key, packed)
+                    if name is None or (key == "lm_head.weight" and name not in params):
+                        continue  # transformers' buffers; a tied head's copy
+                    if name not in params:
+                        raise ValueError(f"{file.name}: {key} has no place in "
+                                         f"{type(model).__name__}")
+                    target: torch.Tensor = params[name]
+                    if part is not None:
+                        target = target.narrow(0, *part.rows)
+                    tensor = f.get_tensor(key)
+                    if target.shape != tensor.shape:
+                        raise ValueError(f"{file.name}: {key} is {tuple(tensor.shape)}, its "
+                                         f"place {name} {tuple(target.shape)}")
+                    target.copy_(tensor)
+                    filled.add((name, -1 if part is None else part.shard))
+    expected = {(name, i) for name, count in _places(params, packed)
+                for i in (range(count) if count else [-1])}
+    missing = sorted({name for name, _ in expected - filled})
+    if missing:
+        raise ValueError(f"the checkpoint has no weights for {', '.join(missing[:5])}"
+                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def _place(key: str, packed: dict[str, Part]) -> tuple[str | None, Part | None]:
+    """Where checkpoint tensor `key` goes: (parameter name, its part of a merged one)."""
+    if key.endswith(SKIPPED_SUFFIXES):
+        return None, None
+    names = key.split(".")
+    for i, name in enumerate(names):
+        part = packed.get(name)
+        if part is not None:
+            return ".".join(names[:i] + [part.target] + names[i + 1:]), part
+    return key, None
+
+
+def _places(params: dict[str, nn.Parameter], packed: dict[str, Part]
+            ) -> Iterator[tuple[str, int]]:
+    """Each parameter with the number of parts it loads from (0: one whole tensor)."""
+    merged = {part.target: len(part.sizes) for part in packed.values()}
+    for name in params:
+        parts = [merged[n] for n in name.split(".") if n in merged]
+        yield name, parts[0] if parts else 0
