@@ -65,13 +65,16 @@ def capture_sizes(max_num_seqs: int, given: Sequence[int] | None = None) -> tupl
     return tuple(ladder)
 
 
-def reserve_bytes(sizes: Sequence[int], step_peak: int, step_tokens: int) -> int:
+def reserve_bytes(sizes: Sequence[int], step_peak: int, step_tokens: int,
+                  overhead: float = 1.0) -> int:
     """Memory set aside for the graphs before the KV cache is sized: the shared pool holds the
     largest graph's activations (the profiled step's peak, per token, at its rows) and each
-    graph has some of its own."""
+    graph has some of its own (`overhead` whole-forward graphs' worth per size: the piecewise
+    graphs of a size are about one more layer's)."""
     if not sizes:
         return 0
-    return int(step_peak * max(sizes) / max(1, step_tokens)) + GRAPH_OVERHEAD_BYTES * len(sizes)
+    return int(step_peak * max(sizes) / max(1, step_tokens)
+               + GRAPH_OVERHEAD_BYTES * overhead * len(sizes))
 
 
 class Graph(Protocol):

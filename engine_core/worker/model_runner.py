@@ -39,6 +39,7 @@ from engine_core.worker.cuda_graphs import GraphRunner, reserve_bytes
 from engine_core.worker.input_batch import BlockTables, StepInputs, StepRows
 from engine_core.worker.loader import load
 from engine_core.worker.memory_profile import StepMemory, max_useful_blocks, measure_step
+from engine_core.worker.piecewise import PiecewiseRunner
 from engine_core.worker.platform import AttentionBackend, Platform
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class ModelRunner:
         loaded = load(config, self.hf_config, platform, self.facts.max_model_len)
         self.decoder = loaded.decoder
         self.pieces = loaded.pieces  # the decoder in pieces, where it runs so (piecewise.py)
+        self.piecewise: PiecewiseRunner | None = None  # captured once the KV cache is
         workers = platform.linear_workers
         self.linear_pool = None if workers is None else ChunkPool(workers, "linears")
         linears = prepare_linears(self.decoder, platform.transposed_linears,
@@ -103,8 +105,10 @@ class ModelRunner:
                         if platform.attention == "cuda" else None)
         self._metadata = self._metadata_builder(platform.attention, platform.head_kernels)
         self.kv_shape = _kv_shape(text)
-        graph_sizes = platform.cuda_graph_sizes if platform.attention == "cuda" else ()
-        self.num_blocks = self._num_blocks(config, platform, graph_sizes)
+        cuda_path = platform.attention == "cuda"
+        graph_sizes = platform.cuda_graph_sizes if cuda_path else ()
+        piece_sizes = platform.piecewise_sizes if cuda_path and self.pieces is not None else ()
+        self.num_blocks = self._num_blocks(config, platform, graph_sizes, piece_sizes)
         # graphs' padded rows write their K/V into one more block, never handed out
         self.kv_caches = self._allocate_kv(self.num_blocks + (1 if graph_sizes else 0))
         self.tables = BlockTables(platform.max_num_seqs,
@@ -112,15 +116,19 @@ class ModelRunner:
                                   self.block_size, self.device, self.link,
                                   dummy_block=self.num_blocks)
         self.graphs = self._capture(graph_sizes) if graph_sizes else None
+        if piece_sizes:
+            self.piecewise = self._capture_pieces(piece_sizes)
         log.info("model %s (%s) on %s/%s, %d KV blocks of %d tokens, %s attention, LM head "
-                 "on %s ops, decoder linears %s; decode steps %s", config.model, loaded.source,
+                 "on %s ops, decoder linears %s; decode steps %s%s", config.model, loaded.source,
                  self.device, self.dtype, self.num_blocks, self.block_size, platform.attention,
                  self.head.backend, linears,
                  f"in CUDA graphs of {len(self.graphs.graphs)} sizes up to "
-                 f"{self.graphs.max_size}" if self.graphs and self.graphs.graphs else "eager")
+                 f"{self.graphs.max_size}" if self.graphs and self.graphs.graphs else "eager",
+                 f"; other steps of up to {self.piecewise.max_size} tokens in piecewise graphs"
+                 if self.piecewise and self.piecewise.graphs else "")
 
     def _num_blocks(self, config: EngineConfig, platform: Platform,
-                    graph_sizes: tuple[int, ...]) -> int:
+                    graph_sizes: tuple[int, ...], piece_sizes: tuple[int, ...]) -> int:
         """--num-kv-blocks; else the budget's blocks, and where the budget is profiled (the
         graphs' memory set aside), no more than max_num_seqs sequences of max_model_len
         tokens can fill."""
@@ -131,7 +139,10 @@ class ModelRunner:
             return max(1, platform.kv_cache_budget() // per_block)
         measured = self.profile_step(platform.max_num_batched_tokens, platform.max_num_seqs)
         torch.cuda.empty_cache()  # the stand-in cache's memory back (a no-op without CUDA)
-        graphs = reserve_bytes(graph_sizes, measured.peak, platform.max_num_batched_tokens)
+        tokens = platform.max_num_batched_tokens
+        layers = self.kv_shape.layers
+        graphs = (reserve_bytes(graph_sizes, measured.peak, tokens)
+                  + reserve_bytes(piece_sizes, measured.peak, tokens, (layers + 1) / layers))
         budget = platform.kv_cache_budget(measured) - graphs
         useful = max_useful_blocks(platform.max_num_seqs, self.facts.max_model_len,
                                    self.block_size)
@@ -154,6 +165,19 @@ class ModelRunner:
             log.info("CUDA graphs of %d sizes took %.2f GiB", len(graphs.graphs),
                      (before - torch.cuda.mem_get_info(self.device)[0]) / 2**30)
         return graphs
+
+    def _capture_pieces(self, sizes: tuple[int, ...]) -> PiecewiseRunner:
+        """The piecewise graphs (piecewise.py), captured now; on the CPU their stand-in."""
+        cuda = self.device.type == "cuda"
+        runner = PiecewiseRunner(sizes, self.pieces, self.device, self.dtype, stand_in=not cuda)
+        before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
+        with torch.inference_mode():
+            runner.capture()
+        if cuda:
+            log.info("piecewise CUDA graphs of %d token counts up to %d took %.2f GiB",
+                     len(runner.graphs), runner.max_size,
+                     (before - torch.cuda.mem_get_info(self.device)[0]) / 2**30)
+        return runner
 
     def _graph_forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                        table_rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -237,7 +261,11 @@ class ModelRunner:
         if len(inputs.pending_rows):
             assert previous is not None, "a placeholder with no step before it"
             input_ids.index_copy_(0, dst, previous.index_select(0, src))
-        hidden: torch.Tensor = self.decoder(input_ids, position_ids, meta)
+        pieces = self.piecewise
+        size = pieces.size_for(len(input_ids)) if pieces is not None else None
+        hidden: torch.Tensor = (self.decoder(input_ids, position_ids, meta)
+                                if pieces is None or size is None
+                                else pieces.run(size, input_ids, position_ids, meta))
         return hidden if every_row else hidden[keep]
 
     @torch.inference_mode()

@@ -26,6 +26,7 @@ from engine_core.layers.triton_ops import TritonOps
 from engine_core.worker.cuda_graphs import capture_sizes
 from engine_core.worker.default_model import cache_root
 from engine_core.worker.memory_profile import StepMemory, kv_budget
+from engine_core.worker.piecewise import piecewise_sizes
 from shared.machine import available_cpus
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,9 @@ class Platform:
     attention: AttentionBackend  # the paged attention the model runs with
     # batch sizes of the decode steps' CUDA graphs (cuda_graphs.py); empty: every step eager
     cuda_graph_sizes: tuple[int, ...] = ()
+    # token counts of the piecewise graphs for the other steps of a model file's forward
+    # (piecewise.py); empty: those steps run eagerly (--enforce-eager, TANDEM_PIECEWISE=0)
+    piecewise_sizes: tuple[int, ...] = ()
     # step N+1 scheduled and prepared while step N runs (engine.py): --async-scheduling, by
     # default on CUDA (measured faster there at every concurrency: docs/benchmarks.md)
     async_scheduling: bool = False
@@ -89,7 +93,8 @@ class Platform:
         TANDEM_SAMPLER=device|cpu and TANDEM_ATTENTION=cuda|native|portable fix the sampler and
         the attention instead of the device's own (to compare them, or to fall back);
         TANDEM_TRITON_DECODE=0 and TANDEM_TRITON_KV_WRITE=0 put the CUDA path's decodes into
-        the varlen call and its KV write on torch ops (the device check's fallbacks)."""
+        the varlen call and its KV write on torch ops (the device check's fallbacks);
+        TANDEM_PIECEWISE=0 runs steps with a prefill eagerly (no piecewise graphs)."""
         env = os.environ if environ is None else environ
         device = resolve_device(config.device)
         choices = thread_choices(config, device)
@@ -120,6 +125,7 @@ class Platform:
             cuda_graph_sizes=graph_sizes(config, device,
                                          config.max_num_seqs or default_max_num_seqs(device,
                                                                                      large)),
+            piecewise_sizes=piecewise_graph_sizes(config, device, budget, env),
             async_scheduling=(device.type == "cuda" if config.async_scheduling is None
                               else config.async_scheduling),
             triton_decode=env.get("TANDEM_TRITON_DECODE", "1") != "0",
@@ -304,6 +310,16 @@ def graph_sizes(config: EngineConfig, device: torch.device,
     if device.type != "cuda" or config.enforce_eager:
         return ()
     return capture_sizes(max_num_seqs, config.cuda_graph_sizes)
+
+
+def piecewise_graph_sizes(config: EngineConfig, device: torch.device, max_tokens: int,
+                          env: Mapping[str, str]) -> tuple[int, ...]:
+    """The piecewise graphs' ladder of token counts on CUDA (piecewise.py), none with
+    --enforce-eager, off CUDA or with TANDEM_PIECEWISE=0."""
+    wanted = _choice(env, "TANDEM_PIECEWISE", ("1", "0"), "1") == "1"
+    if device.type != "cuda" or config.enforce_eager or not wanted:
+        return ()
+    return piecewise_sizes(max_tokens)
 
 
 def attention_backend(device: torch.device, dtype: torch.dtype, env: Mapping[str, str],

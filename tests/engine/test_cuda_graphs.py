@@ -1,9 +1,11 @@
-"""The GPU decode step's pieces that the CPU can check, in a whole engine:
+"""The GPU step's pieces that the CPU can check, in a whole engine:
 
 - the CUDA-graph runner through its eager stand-in (ladder, padding, dummy rows, persistent
-  buffers): the same tokens and logprobs as the eager path, Hugging Face's, every size used;
-- the graph-captured decode forward issues no host sync and no operation whose output shape
-  depends on the data (its ops recorded with a TorchDispatchMode);
+  buffers), and the piecewise graphs' for the steps with a prefill (piecewise.py): the same
+  tokens and logprobs as the eager path, Hugging Face's, every size used;
+- the graph-captured decode forward and every piecewise piece issue no host sync and no
+  operation whose output shape depends on the data (their ops recorded with a
+  TorchDispatchMode), and a decode step launches the kernels the design says, no more;
 - the Triton kernels get one specialization each, whatever the steps' shapes (Triton's own
   specialization rule, for sm_90, applied to every launch).
 """
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +26,9 @@ import engine_core.layers.attention_cuda as attention_cuda
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
 from engine_core.layers import triton_attention
+from engine_core.layers.ops import TorchOps
 from engine_core.worker.cuda_graphs import capture_sizes
+from engine_core.worker.piecewise import piecewise_sizes
 from engine_core.worker.platform import Platform
 from shared.messages import SamplingParams
 from tests.engine.driver import Collected, run
@@ -36,15 +41,19 @@ REFERENCE_KERNELS = attention_cuda.Kernels(attention_cuda.sdpa_varlen,
 
 def cuda_path_engine(model: Any, monkeypatch: pytest.MonkeyPatch, graphs: bool,
                      kernels: attention_cuda.Kernels = REFERENCE_KERNELS,
-                     **kw: Any) -> EngineCore:
+                     pieces: bool | None = None, **kw: Any) -> EngineCore:
     """An engine on the CUDA path's code on the CPU: its attention (reference kernels), the
-    device sampler and, with `graphs`, the graph runner's stand-in."""
+    device sampler and, with `graphs`, the stand-ins of the decode graphs and (unless `pieces`
+    says otherwise) of the piecewise graphs, over token counts up to 40."""
     monkeypatch.setattr(attention_cuda, "cuda_kernels", lambda *_: kernels)
     config = EngineConfig(model=str(model), **{"num_kv_blocks": 64, "block_size": 8,
                                                "max_num_seqs": 16, **kw})
+    pieces = graphs if pieces is None else pieces
     platform = dataclasses.replace(
-        Platform.detect(config, environ={"TANDEM_SAMPLER": "device"}), attention="cuda",
-        cuda_graph_sizes=capture_sizes(16) if graphs else ())
+        Platform.detect(config, environ={**os.environ, "TANDEM_SAMPLER": "device"}),
+        attention="cuda",
+        cuda_graph_sizes=capture_sizes(16) if graphs else (),
+        piecewise_sizes=piecewise_sizes(40) if pieces else ())
     return EngineCore(config, platform)
 
 
@@ -68,13 +77,19 @@ def staggered(core: EngineCore, prompts: list[list[int]], logprobs: int | None =
 
 def test_graph_stand_in_matches_the_eager_path(tiny_llama, tokenizer, monkeypatch):
     prompts = make_prompts(tokenizer, n=14)
-    eager = staggered(cuda_path_engine(tiny_llama, monkeypatch, graphs=False), prompts)
-    core = cuda_path_engine(tiny_llama, monkeypatch, graphs=True)
+    # a budget that chunks the prompts into steps the piecewise ladder (up to 40) holds
+    eager = staggered(cuda_path_engine(tiny_llama, monkeypatch, graphs=False,
+                                       max_num_batched_tokens=40), prompts)
+    core = cuda_path_engine(tiny_llama, monkeypatch, graphs=True, max_num_batched_tokens=40)
     graphed = staggered(core, prompts)
     assert core.runner.graphs is not None
     replays = core.runner.graphs.replays
     assert {8, 4, 2, 1} <= {size for size, n in replays.items() if n}, replays
-    assert sum(replays.values()) < core.counts.steps  # prefill steps ran eagerly
+    pieces = core.runner.piecewise
+    assert pieces is not None
+    # the steps with a prefill: in pieces, of several sizes
+    assert len({size for size, n in pieces.replays.items() if n}) >= 2, pieces.replays
+    assert sum(replays.values()) + sum(pieces.replays.values()) == core.counts.steps
     assert graphed.keys() == eager.keys()
     for rid, want in eager.items():
         got = graphed[rid]
@@ -135,6 +150,92 @@ def test_the_captured_decode_forward_never_syncs(tiny_llama, monkeypatch):
     syncing = {op: n for op, n in recorder.ops.items() if any(s in op for s in SYNCING)}
     assert not syncing, f"host syncs or data-shaped ops in the graph: {syncing}"
     assert "embedding" in recorder.ops and len(recorder.ops) > 20, recorder.ops
+
+
+def test_no_piece_of_the_piecewise_graphs_syncs(tiny_qwen3, monkeypatch):
+    core = cuda_path_engine(tiny_qwen3, monkeypatch, graphs=True)
+    pieces = core.runner.piecewise
+    assert pieces is not None and pieces.graphs
+    for size in (8, 40):
+        fns = pieces.pieces(size)
+        assert len(fns) == core.runner.pieces.num_layers + 1
+        for fn in fns:
+            recorder = OpRecorder()
+            with torch.inference_mode(), recorder:
+                fn()
+            syncing = {op: n for op, n in recorder.ops.items() if any(s in op for s in SYNCING)}
+            assert not syncing, f"host syncs or data-shaped ops in a piece: {syncing}"
+
+
+# -- the kernels a decode step launches -------------------------------------------------------
+# aten ops that launch no kernel: views, aliases and allocations
+NO_LAUNCH = {"view", "_unsafe_view", "reshape", "as_strided", "slice", "select", "t", "transpose",
+             "unsqueeze", "squeeze", "expand", "alias", "detach", "permute", "_reshape_alias",
+             "narrow", "split", "unbind", "lift_fresh", "empty", "empty_like", "new_empty",
+             "empty_strided"}
+# the design: per layer, two add+norms, SiLU x up, rope + KV write and the decode attention
+# (one launch each, as the Triton kernels are), and four products; the embedding and the first
+# norm once (docs/gpu.md)
+LAUNCHES_PER_LAYER = 9
+LAUNCHES_OUTSIDE_LAYERS = 2
+
+
+class LaunchCounter(TorchDispatchMode):
+    """The kernels a GPU would launch: every aten op but views and allocations, and each op
+    of `counted` (the Triton kernels, run here by their references) as one launch, whatever
+    torch ops its reference runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launches: Counter[str] = Counter()
+        self.inside = 0
+
+    def counted(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def launch(*args: Any, **kw: Any) -> Any:
+            self.launches[name] += 1
+            self.inside += 1
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.inside -= 1
+        return launch
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        name = func._schema.name.removeprefix("aten::")
+        if not self.inside and name not in NO_LAUNCH:
+            self.launches[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3"])
+def test_a_decode_step_launches_the_designs_kernels(family, request, monkeypatch):
+    """The graph-captured decode forward, its ops recorded on the CPU with the CUDA path's
+    kernels each counted as the one launch it is on the GPU: the design's count exactly, so a
+    change that adds a launch to every layer fails here (docs/gpu.md)."""
+    monkeypatch.setenv("TANDEM_LINEAR", "torch")  # the products as a GPU runs them: one mm
+    monkeypatch.setenv("TANDEM_PANELS", "0")
+    counter = LaunchCounter()
+    kernels = REFERENCE_KERNELS._replace(
+        decode=counter.counted("decode_attention", attention_cuda.reference_decode))
+    core = cuda_path_engine(request.getfixturevalue(family), monkeypatch, graphs=True,
+                            kernels=kernels)
+    decoder = core.runner.decoder
+    ops = TorchOps()
+    counting = type("CountingOps", (), {
+        name: staticmethod(counter.counted(name, getattr(ops, name)))
+        for name in ("rms_norm", "add_rms_norm", "silu_mul", "rope_and_cache")})()
+    for module in decoder.modules():
+        if hasattr(module, "kit"):
+            module.kit = module.kit._replace(ops=counting)
+    assert core.runner.graphs is not None
+    counter.launches.clear()  # the captures' own
+    with torch.inference_mode(), counter:
+        core.runner.graphs._bound(8)()
+    layers = decoder.num_layers
+    total = sum(counter.launches.values())
+    assert total == LAUNCHES_OUTSIDE_LAYERS + LAUNCHES_PER_LAYER * layers, counter.launches
+    assert counter.launches["decode_attention"] == counter.launches["rope_and_cache"] == layers
 
 
 def test_a_step_with_a_host_sync_is_caught(tiny_llama, monkeypatch):
