@@ -33,7 +33,7 @@ from engine_core.engine import EngineCore
 from engine_core.liveness import TICK_S, FrontendLiveness, LoopProgress, RunningClock
 from engine_core.metrics import HistogramTotals
 from shared.curve import secure_server, warn_if_open
-from shared.kv_events import KvEventsConfig
+from shared.kv_events import KvEventsConfig, KvEventsFormat
 from shared.kv_publisher import KvEventPublisher
 from shared.memory import MemoryTrimmer
 from shared.messages import (
@@ -63,12 +63,13 @@ TRIM_EVERY_S = 10.0  # how often a busy loop gives the heap's free pages back (a
 class EngineProcess:
     def __init__(self, core: EngineCore, listen: str, ready: Ready,
                  frontend_timeout_s: float = 5.0, curve_keys: str | None = None,
-                 kv_events: KvEventsConfig | None = None) -> None:
+                 kv_events: KvEventsConfig | None = None,
+                 kv_events_format: KvEventsFormat = "map") -> None:
         """`frontend_timeout_s`: a frontend that pinged and then stays silent this long is
         gone, and its requests are aborted. `curve_keys`: a key folder (shared/curve.py); only
         clients holding a listed keypair then reach the socket (and the KV-event sockets).
-        `kv_events`: publish the prefix cache's changes (vLLM's format; `ready` then names
-        where, for the frontends' routers)."""
+        `kv_events`: publish the prefix cache's changes (vLLM's format, or its older array
+        form with `kv_events_format`; `ready` then names where, for the frontends' routers)."""
         self.core = core
         self.listen = listen
         self.ready = ready
@@ -99,7 +100,7 @@ class EngineProcess:
         self.kv_events: KvEventPublisher | None = None
         if kv_events is not None and kv_events.enabled:
             self.kv_events = KvEventPublisher(kv_events, ready.data_parallel_rank, self.ctx,
-                                              curve_keys)
+                                              curve_keys, kv_events_format)
             core.blocks.record_events()
             self.ready = msgspec.structs.replace(
                 ready, kv_events_endpoint=self.kv_events.bound,
@@ -279,9 +280,11 @@ class EngineProcess:
 
 
 def serve(core: EngineCore, listen: str, ready: Ready, curve_keys: str | None = None,
-          kv_events: KvEventsConfig | None = None) -> None:
+          kv_events: KvEventsConfig | None = None,
+          kv_events_format: KvEventsFormat = "map") -> None:
     """Run the engine until SIGINT/SIGTERM."""
-    proc = EngineProcess(core, listen, ready, curve_keys=curve_keys, kv_events=kv_events)
+    proc = EngineProcess(core, listen, ready, curve_keys=curve_keys, kv_events=kv_events,
+                         kv_events_format=kv_events_format)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: proc.stop())
     proc.run()

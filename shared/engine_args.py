@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from shared.kv_events import KvEventsConfigError, parse_kv_events_config
+from shared.kv_events import FORMATS, KvEventsConfigError, parse_kv_events_config
 from shared.messages import MAX_LOGPROBS
 
 _ENGINE_FLAGS = (
@@ -82,6 +82,12 @@ _ENGINE_FLAGS = (
                 "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
                 "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}' "
                 "(each data-parallel rank adds its rank to the ports)"}),
+    ("--kv-events-format", {
+        "default": "map", "choices": list(FORMATS),
+        "help": "the KV-cache events' msgpack form: 'map', vLLM 0.32's bytes (each event a map "
+                "tagged by \"type\", as vLLM 0.26 and later send); 'array', the positional "
+                "arrays of older vLLM, and a replay without the topic frame, for consumers that "
+                "read only those (llm-d-kv-cache before v0.9.0)"}),
     ("--max-logprobs", {
         "type": int, "default": None,
         "help": "most logprobs a request may ask for (default and most: 20)"}),

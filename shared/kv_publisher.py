@@ -6,7 +6,7 @@ a bounded queue (`max_queue_size` batches): when the thread falls that far behin
 dropped and counted, and its sequence number stays unused, so a subscriber sees the gap. The
 thread encodes each batch once, sends `[topic, seq, payload]` (a PUB socket drops for a
 subscriber past its high-water mark rather than wait), keeps the last `buffer_steps` payloads,
-and answers replay requests from them (wire format: `shared/kv_events.py`).
+and answers replay requests from them (wire format, either of the two: `shared/kv_events.py`).
 """
 
 from __future__ import annotations
@@ -17,17 +17,18 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
 import zmq
 
 from shared.curve import serve_curve
 from shared.kv_events import (
-    END_SEQ,
     KvEvent,
     KVEventBatch,
     KvEventsConfig,
+    KvEventsFormat,
+    KvEventWire,
     binds,
     rank_endpoint,
     read_seq,
@@ -42,10 +43,14 @@ class KvEventPublisher:
     """Create (binds at once: a taken port fails the start), `publish` from one thread, `close`."""
 
     def __init__(self, config: KvEventsConfig, rank: int, ctx: zmq.Context,  # type: ignore[type-arg]
-                 curve_keys: str | Path | None = None) -> None:
+                 curve_keys: str | Path | None = None, form: KvEventsFormat = "map",
+                 clock: Callable[[], float] = time.time) -> None:
         """`ctx`: the engine's context (its CURVE authenticator, when `curve_keys` is given,
-        admits subscribers as it admits frontends)."""
+        admits subscribers as it admits frontends). `form`: vLLM 0.32's maps or the older
+        positional arrays. `clock`: each batch's ts."""
         self.rank = rank
+        self._wire = KvEventWire(form)
+        self._clock = clock
         self.endpoint = rank_endpoint(config.endpoint, rank)
         self.replay_endpoint = (None if config.replay_endpoint is None
                                 else rank_endpoint(config.replay_endpoint, rank))
@@ -87,7 +92,7 @@ class KvEventPublisher:
             return
         seq = next(self._seq)
         try:
-            self._queue.put_nowait((seq, KVEventBatch(time.time(), events, self.rank)))
+            self._queue.put_nowait((seq, KVEventBatch(self._clock(), events, self.rank)))
         except queue.Full:
             self.dropped += 1
             if self.dropped in (1, 10, 100) or self.dropped % 1000 == 0:
@@ -103,7 +108,6 @@ class KvEventPublisher:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        encoder = msgspec.msgpack.Encoder()
         try:
             while True:
                 if self._replay is not None and self._replay.poll(0):
@@ -115,7 +119,7 @@ class KvEventPublisher:
                 if item is None:
                     return
                 seq, batch = item
-                payload = encoder.encode(batch)
+                payload = self._wire.encode(batch)
                 self._pub.send_multipart((self._topic, seq_bytes(seq), payload))
                 self._buffer.append((seq, payload))
         except Exception:  # a publisher that fails must not take the engine with it
@@ -127,7 +131,7 @@ class KvEventPublisher:
 
     def _answer_replay(self, replay: zmq.Socket) -> None:  # type: ignore[type-arg]
         """`[identity, b"", start]` (a REQ or DEALER client) -> every buffered batch from
-        `start` on, then the end marker."""
+        `start` on, then the end marker, in the wire's layout."""
         frames = replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             log.warning("ignored a replay request of %d frame(s)", len(frames))
@@ -135,5 +139,6 @@ class KvEventPublisher:
         client, start = frames[0], read_seq(frames[2])
         for seq, payload in list(self._buffer):
             if seq >= start:
-                replay.send_multipart((client, b"", seq_bytes(seq), payload))
-        replay.send_multipart((client, b"", END_SEQ, b""))
+                replay.send_multipart((client, b"", *self._wire.replayed(self._topic, seq,
+                                                                         payload)))
+        replay.send_multipart((client, b"", *self._wire.replay_end()))

@@ -29,6 +29,7 @@ from shared.messages import ints
 
 BlockKey = tuple[int, bytes]
 MEDIUM = "GPU"  # vLLM's name for the engine's own KV cache (the tier routers look at)
+GROUP = 0  # the events' KV-cache group: Tandem's cache is one group, vLLM's index 0
 __all__ = ["BlockKey", "BlockManager", "FreeQueue", "block_key", "chain_hashes"]
 
 
@@ -169,7 +170,7 @@ class BlockManager:
                     evicted.append(block_hash(*key))
             self._ref[b] = 1
         if evicted and self._events is not None:
-            self._events.append(BlockRemoved(evicted, MEDIUM))
+            self._events.append(BlockRemoved(evicted, MEDIUM, GROUP))
         return out
 
     def free(self, blocks: Sequence[int]) -> None:
@@ -214,7 +215,9 @@ class BlockManager:
     def _stored_events(self, stored: list[int], token_ids: Sequence[int],
                        hashes: Sequence[int]) -> list[BlockStored]:
         """One BlockStored per run of consecutive chain positions (vLLM's shape: a run names
-        its first block's parent, and carries every block's tokens)."""
+        its first block's parent, and carries every block's tokens; as vLLM 0.32's block pool
+        does for a prompt without LoRA, images or a cache salt, each block's extra keys are
+        None)."""
         runs: list[list[int]] = []
         for i in stored:
             if runs and runs[-1][-1] == i - 1:
@@ -225,7 +228,8 @@ class BlockManager:
         return [BlockStored(block_hashes=[hashes[i] for i in run],
                             parent_block_hash=hashes[run[0] - 1] if run[0] else None,
                             token_ids=list(token_ids[run[0] * bs:(run[-1] + 1) * bs]),
-                            block_size=bs, lora_id=None, medium=MEDIUM, lora_name=None)
+                            block_size=bs, lora_id=None, medium=MEDIUM, lora_name=None,
+                            extra_keys=[None] * len(run), group_idx=GROUP)
                 for run in runs]
 
     def reset_prefix_cache(self) -> None:

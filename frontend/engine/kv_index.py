@@ -4,9 +4,10 @@
 frontend also computes for each prompt) to a bitmask of the engines that hold it, so the
 longest cached prefix on every engine at once costs one dict lookup per block of the prompt,
 whatever the caches' size. `KvEventFeed` keeps one engine's part of it current: it subscribes to
-the engine's PUB socket (vLLM's wire format, `shared/kv_events.py`), asks the replay socket for
-what was published before it came, and again on a gap in the sequence numbers. A sequence that
-goes back means a new engine at that address: its old blocks are forgotten.
+the engine's PUB socket (vLLM's wire format, in either form: `shared/kv_events.py`), asks the
+replay socket for what was published before it came, and again on a gap in the sequence
+numbers. A sequence that goes back means a new engine at that address: its old blocks are
+forgotten.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from shared.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KVEventBatch,
-    decoder,
+    KvEventDecoder,
     read_seq,
     seq_bytes,
 )
@@ -98,7 +98,7 @@ class KvEventFeed:
         self.replay_endpoint = replay
         self._ctx = ctx
         self._curve = curve
-        self._decoder = decoder()
+        self._decoder = KvEventDecoder()
         self.last_seq = -1  # the last batch applied
 
     def forget(self) -> None:
@@ -150,13 +150,13 @@ class KvEventFeed:
         sock = self._socket(zmq.DEALER, self.replay_endpoint)
         try:
             await sock.send_multipart([b"", seq_bytes(start)])
-            while True:
+            while True:  # [b"", (topic,) seq, payload]: vLLM 0.32 sends the topic, older not
                 frames = await asyncio.wait_for(sock.recv_multipart(), REPLAY_TIMEOUT_S)
-                seq = read_seq(frames[1])
+                seq = read_seq(frames[-2])
                 if seq < 0:
                     return
                 if seq > self.last_seq:
-                    self._apply(seq, frames[2])
+                    self._apply(seq, frames[-1])
         except TimeoutError:
             logger.warning("engine %d: no answer from its KV-event replay socket %s", self.rank,
                            self.replay_endpoint)
@@ -166,7 +166,7 @@ class KvEventFeed:
     def _apply(self, seq: int, payload: bytes) -> None:
         self.last_seq = seq
         try:
-            batch: KVEventBatch = self._decoder.decode(payload)
+            batch = self._decoder.decode(payload)
         except msgspec.DecodeError as exc:
             logger.warning("engine %d: dropped a KV-event batch that does not decode: %s",
                            self.rank, exc)

@@ -1,10 +1,11 @@
 """`tandem serve --data-parallel-size 2`: two tiny engines of one thread each behind one frontend.
 
 Greedy outputs equal Hugging Face's on either engine; each engine publishes its KV-cache events
-in vLLM's format on its own ports (read here by a decoder written from vLLM's schema), with
-replay, and `/reset_prefix_cache` clears every rank; `/metrics` shows both engines; and an
-engine SIGKILLed under load: its requests fail clearly, the other serves everything new, the
-launcher's replacement takes work again with an empty cache. (Routing policy: unit tests.)"""
+in vLLM 0.32's format on its own ports (read here by Tandem's decoder, which the unit tests hold
+to vLLM's recorded bytes), with replay, and `/reset_prefix_cache` clears every rank;
+`/metrics` shows both engines; and an engine SIGKILLed under load: its requests fail clearly,
+the other serves everything new, the launcher's replacement takes work again with an empty
+cache. (Routing policy: unit tests.)"""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import zmq
 from transformers import AutoTokenizer
 
 from shared.block_hash import chain_hashes
-from tests import vllm_kv_events as vllm
+from shared.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
+from tests import kv_subscriber
 from tests.e2e.server import Server, free_port
 from tests.e2e.test_launcher import children_of
 from tests.engine.test_hf_parity import ATOL, MAX_NEW, Reference, make_prompts
@@ -114,7 +116,7 @@ def batches_until(sub: zmq.Socket, found, timeout_s: float = 20.0):  # type: ign
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if sub.poll(200):
-            topic, seq, batch = vllm.read(sub.recv_multipart())
+            topic, seq, batch = kv_subscriber.read(sub.recv_multipart())
             assert topic == b"kv@tandem"
             if found(batch):
                 return seq, batch
@@ -135,23 +137,26 @@ async def test_each_rank_publishes_vllms_events_with_replay_and_clear(
             assert status == 200
             want = chain_hashes(prompt, 16)
 
-            def stores_prompt(batch: vllm.KVEventBatch) -> bool:
-                return any(isinstance(e, vllm.BlockStored) and e.block_hashes == want
+            def stores_prompt(batch: KVEventBatch) -> bool:
+                return any(isinstance(e, BlockStored) and e.block_hashes == want
                            for e in batch.events)
 
             seq, batch = await asyncio.to_thread(batches_until, subs[1], stores_prompt)
             assert batch.data_parallel_rank == 1
-            (stored,) = [e for e in batch.events if isinstance(e, vllm.BlockStored)]
+            (stored,) = [e for e in batch.events if isinstance(e, BlockStored)]
             assert stored.parent_block_hash is None and stored.block_size == 16
             assert stored.token_ids == prompt[:16 * len(want)] and stored.medium == "GPU"
-            replayed = vllm.replay(ctx, f"tcp://127.0.0.1:{replay + 1}", 0)
-            assert any(s == seq and stores_prompt(b) for s, b in replayed)
-            assert [s for s, _ in replayed] == sorted(s for s, _ in replayed)
+            assert stored.group_idx == 0 and stored.extra_keys == [None] * len(want)
+            replayed = kv_subscriber.replay(ctx, f"tcp://127.0.0.1:{replay + 1}", 0)
+            assert any(r.seq == seq and stores_prompt(r.batch) for r in replayed)
+            assert {r.topic for r in replayed} == {b"kv@tandem"}
+            seqs = [r.seq for r in replayed]
+            assert seqs == sorted(seqs)
             async with session.post(f"{server.url}/reset_prefix_cache") as resp:
                 assert resp.status == 200
         for rank, sub in enumerate(subs):
             _, cleared = await asyncio.to_thread(batches_until, sub, lambda b: any(
-                isinstance(e, vllm.AllBlocksCleared) for e in b.events))
+                isinstance(e, AllBlocksCleared) for e in b.events))
             assert cleared.data_parallel_rank == rank
     finally:
         for sub in subs:

@@ -1,8 +1,9 @@
-"""KV-cache events: the block manager's record, the publisher's bytes and replay, the config,
-all read back by a decoder written from vLLM's schema (tests/vllm_kv_events.py)."""
+"""KV-cache events: the block manager's record, the publisher's numbering, replay buffer, queue
+and CURVE keys, the config. (The bytes against vLLM 0.32's own: test_kv_event_wire.py.)"""
 
 from __future__ import annotations
 
+import argparse
 import socket
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from engine_core.sched.block_manager import BlockManager
 from frontend.cli import main as tandem
 from shared.block_hash import chain_hashes
 from shared.curve import client_keys, secure_client, secure_server
+from shared.engine_args import add_engine_args, engine_argv
 from shared.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -25,7 +27,7 @@ from shared.kv_events import (
     reachable,
 )
 from shared.kv_publisher import KvEventPublisher
-from tests import vllm_kv_events as vllm
+from tests import kv_subscriber
 
 
 def publish(bm: BlockManager, tokens: list[int]) -> list[int]:
@@ -72,7 +74,7 @@ def test_evictions_and_a_reset_are_recorded() -> None:
     bm.take_events()
     bm.allocate(1)  # takes the least recently freed cached block: the tail, [3, 4]
     (removed,) = bm.take_events()
-    assert removed == BlockRemoved([chain_hashes(tokens, 2)[1]], "GPU")
+    assert removed == BlockRemoved([chain_hashes(tokens, 2)[1]], "GPU", group_idx=0)
     bm.reset_prefix_cache()
     assert bm.take_events() == [AllBlocksCleared()]
 
@@ -128,7 +130,7 @@ def subscriber(ctx: zmq.Context, address: str) -> zmq.Socket:  # type: ignore[ty
     return sub
 
 
-def test_published_batches_decode_with_vllms_schema_and_replay(
+def test_published_batches_are_numbered_and_the_replay_keeps_the_last(
         ctx: zmq.Context, tmp_path: Path) -> None:  # type: ignore[type-arg]
     config = parse_kv_events_config(
         f'{{"enable_kv_cache_events": true, "endpoint": "ipc://{tmp_path}/pub", '
@@ -149,20 +151,20 @@ def test_published_batches_decode_with_vllms_schema_and_replay(
     got = []
     for _ in range(3):
         assert sub.poll(5000)
-        got.append(vllm.read(sub.recv_multipart()))
+        got.append(kv_subscriber.read(sub.recv_multipart()))
     assert [(topic, seq) for topic, seq, _ in got] == [(b"kv@tandem", 0), (b"kv@tandem", 1),
                                                       (b"kv@tandem", 2)]
     first = got[0][2]
     assert first.data_parallel_rank == 1 and first.ts == pytest.approx(time.time(), abs=30)
     (stored,) = first.events
-    assert isinstance(stored, vllm.BlockStored)
+    assert isinstance(stored, BlockStored)
     assert stored.block_hashes == chain_hashes(tokens, 2) and stored.token_ids == tokens
-    assert isinstance(got[1][2].events[0], vllm.AllBlocksCleared)
+    assert isinstance(got[1][2].events[0], AllBlocksCleared)
     # the replay buffer holds the last two batches: a start before them gets what is left
-    replayed = vllm.replay(ctx, pub.replay_endpoint or "", 0)
-    assert [seq for seq, _ in replayed] == [1, 2]
-    assert isinstance(replayed[1][1].events[0], vllm.BlockRemoved)
-    assert vllm.replay(ctx, pub.replay_endpoint or "", 3) == []
+    replayed = kv_subscriber.replay(ctx, pub.replay_endpoint or "", 0)
+    assert [(r.topic, r.seq) for r in replayed] == [(b"kv@tandem", 1), (b"kv@tandem", 2)]
+    assert isinstance(replayed[1].batch.events[0], BlockRemoved)
+    assert kv_subscriber.replay(ctx, pub.replay_endpoint or "", 3) == []
     sub.close()
     pub.close()
 
@@ -204,16 +206,26 @@ def test_with_curve_keys_only_key_holders_get_the_events_and_the_replay(
         time.sleep(0.5)
         pub.publish([AllBlocksCleared()])
         assert subs["keyed"].poll(5000)
-        assert vllm.read(subs["keyed"].recv_multipart())[2].events == [vllm.AllBlocksCleared()]
+        assert kv_subscriber.read(subs["keyed"].recv_multipart())[2].events == [AllBlocksCleared()]
         assert not subs["open"].poll(500)
         with pytest.raises(TimeoutError):
-            vllm.replay(ctx, f"tcp://127.0.0.1:{replay_port}", 0, timeout_ms=500)
-        replayed = vllm.replay(ctx, f"tcp://127.0.0.1:{replay_port}", 0,
+            kv_subscriber.replay(ctx, f"tcp://127.0.0.1:{replay_port}", 0, timeout_ms=500)
+        replayed = kv_subscriber.replay(ctx, f"tcp://127.0.0.1:{replay_port}", 0,
                                curve=client_keys(keys))
-        assert [seq for seq, _ in replayed] == [0]
+        assert [r.seq for r in replayed] == [0]
         for sub in subs.values():
             sub.close()
         pub.close()
     finally:
         auth.stop()
         router.close()
+
+
+def test_the_format_flag_reaches_the_engine_and_names_one_of_the_two_forms() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args([]).kv_events_format == "map"
+    argv = engine_argv(parser.parse_args(["--kv-events-format", "array"]))
+    assert argv[argv.index("--kv-events-format") + 1] == "array"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-events-format", "json"])
