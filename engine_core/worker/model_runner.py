@@ -261,6 +261,8 @@ class ModelRunner:
         if len(inputs.pending_rows):
             assert previous is not None, "a placeholder with no step before it"
             input_ids.index_copy_(0, dst, previous.index_select(0, src))
+        if self.pieces is not None:  # int32, as a decode graph's: one kernel specialization
+            position_ids = position_ids.int()
         pieces = self.piecewise
         size = pieces.size_for(len(input_ids)) if pieces is not None else None
         hidden: torch.Tensor = (self.decoder(input_ids, position_ids, meta)

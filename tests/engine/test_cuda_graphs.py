@@ -21,12 +21,14 @@ from typing import Any
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoTokenizer
 
 import engine_core.layers.attention_cuda as attention_cuda
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
-from engine_core.layers import triton_attention
-from engine_core.layers.ops import TorchOps
+from engine_core.layers import triton_attention, triton_ops
+from engine_core.layers.ops import HeadShape, QKNorm, TorchOps
+from engine_core.layers.rotary import RotaryTable
 from engine_core.worker.cuda_graphs import capture_sizes
 from engine_core.worker.piecewise import piecewise_sizes
 from engine_core.worker.platform import Platform
@@ -261,13 +263,14 @@ class SpecializationRecorder:
     sm_90 (its own binder: dtypes, 16-byte alignment, integers equal to 1 or divisible by
     16, constexprs) for every launch, then runs `reference` for the outputs."""
 
-    def __init__(self, name: str, reference: Callable[..., None]) -> None:
+    def __init__(self, name: str, reference: Callable[..., None],
+                 kernels: dict[str, Any] = triton_attention.KERNELS) -> None:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import make_backend
         from triton.runtime.jit import create_function_from_signature
 
         triton = pytest.importorskip("triton")
-        fn, fixed = triton_attention.KERNELS[name]
+        fn, fixed = kernels[name]
         jitted = triton.jit(fn, do_not_specialize=fixed)
         backend = make_backend(GPUTarget("cuda", 90, 32))
         self.binder = create_function_from_signature(jitted.signature, jitted.params, backend)
@@ -282,18 +285,40 @@ class SpecializationRecorder:
         return launch
 
 
-def test_no_kernel_compiles_again_once_serving(tiny_llama, tokenizer, monkeypatch):
-    """Steps of every shape (prefill chunks, decode batches of many sizes, graphs and eager,
-    one split and several): each kernel is specialized once."""
+def layer_ops_recorders() -> dict[str, SpecializationRecorder]:
+    """Recorders of triton_ops' kernels, each computing its outputs with TorchOps."""
+    ref = TorchOps()
+
+    def norm_ref(x, res, w, out, *args: Any, HAS_RES: bool, **kw: Any) -> None:
+        eps = args[4]
+        out.copy_(ref.add_rms_norm(x.clone(), res, w, eps) if HAS_RES else
+                  ref.rms_norm(x, w, eps))
+
+    def silu_ref(x, out, *args: Any, **kw: Any) -> None:
+        out.copy_(ref.silu_mul(x))
+
+    def rope_ref(qkv, pos, cos, sin, kc, vc, slots, qw, kw_, *args: Any, **kw: Any) -> None:
+        norm = QKNorm(qw, kw_, args[4]) if kw["QK_NORM"] else None
+        ref.rope_and_cache(qkv, pos, RotaryTable(cos, sin),
+                           HeadShape(kw["HEADS"], kw["KV_HEADS"], kw["HEAD_DIM"]), kc, vc,
+                           slots, norm)
+
+    return {name: SpecializationRecorder(name, fn, triton_ops.KERNELS)
+            for name, fn in (("rms_norm", norm_ref), ("silu_mul", silu_ref),
+                             ("rope_cache", rope_ref))}
+
+
+def test_no_kernel_compiles_again_once_serving(tiny_qwen3, monkeypatch):
+    """Steps of every shape (prefill chunks in piecewise graphs and eager, decode batches of
+    many sizes, graphs and eager, one split and several): each kernel, the attention's and the
+    layers' ops', is specialized once."""
     pytest.importorskip("triton")
-    outputs: dict[str, Any] = {}
 
     def decode_ref(out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                    table: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, *args: Any,
                    **kw: Any) -> None:
         out.copy_(triton_attention.paged_decode_reference(q, kc, vc, table, rows, lens,
                                                           args[2], kw["BLOCK_SIZE"]))
-        outputs["decode"] = out
 
     def combine_ref(out: torch.Tensor, *args: Any, **kw: Any) -> None:
         pass  # the decode reference wrote the whole result
@@ -305,13 +330,22 @@ def test_no_kernel_compiles_again_once_serving(tiny_llama, tokenizer, monkeypatc
     recorders = {"decode": SpecializationRecorder("decode", decode_ref),
                  "combine": SpecializationRecorder("combine", combine_ref),
                  "kv_write": SpecializationRecorder("kv_write", write_ref)}
+    layer_recorders = layer_ops_recorders()
     monkeypatch.setattr(triton_attention, "_jitted", lambda name: recorders[name])
+    monkeypatch.setattr(triton_ops, "_jitted", lambda name: layer_recorders[name])
     monkeypatch.setattr(triton_attention, "available", lambda: True)
+    monkeypatch.setattr(Platform, "layer_ops", lambda self: triton_ops.TritonOps())
     kernels = attention_cuda.Kernels(attention_cuda.sdpa_varlen, attention_cuda.triton_decode,
                                      triton_attention.write_kv)
-    core = cuda_path_engine(tiny_llama, monkeypatch, graphs=True, kernels=kernels,
-                            max_num_batched_tokens=40)
+    # a budget that has steps with a prefill both in the piecewise graphs and past them
+    core = cuda_path_engine(tiny_qwen3, monkeypatch, graphs=True, kernels=kernels,
+                            max_num_batched_tokens=48)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_qwen3))
     staggered(core, make_prompts(tokenizer, n=14))
+    pieces = core.runner.piecewise
+    assert pieces is not None and sum(pieces.replays.values()) > 0
     assert sum(recorders["decode"].keys.values()) > 20
-    for name, recorder in recorders.items():
-        assert len(recorder.keys) <= 1, (name, list(recorder.keys))
+    assert all(sum(r.keys.values()) > 20 for r in layer_recorders.values())
+    variants = {"rms_norm": 2}  # the first norm of a step alone, every other with the residual
+    for name, recorder in {**recorders, **layer_recorders}.items():
+        assert len(recorder.keys) <= variants.get(name, 1), (name, list(recorder.keys))
