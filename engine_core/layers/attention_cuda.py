@@ -44,6 +44,7 @@ class VarlenPlan(NamedTuple):
     cu_k: np.ndarray  # int32 [n + 1] cumulative context lengths
     max_q: int
     max_k: int
+    first: int | None = None  # the first query row, when the rows are consecutive
 
 
 class DecodePlan(NamedTuple):
@@ -52,6 +53,7 @@ class DecodePlan(NamedTuple):
     rows: np.ndarray  # int64 [Bd] packed rows
     table_rows: np.ndarray  # int32 [Bd] each decode's row of the block table
     seq_lens: np.ndarray  # int32 [Bd] context lengths, the new token included
+    first: int | None = None  # 0 when the decodes are the step's first rows
 
 
 def plan(starts: np.ndarray, num_new: np.ndarray, table: np.ndarray, table_rows: np.ndarray,
@@ -65,10 +67,12 @@ def plan(starts: np.ndarray, num_new: np.ndarray, table: np.ndarray, table_rows:
     offsets = np.cumsum(num_new) - num_new
     is_decode = (num_new == 1) if paged_decode else np.zeros(len(num_new), dtype=bool)
     dec = np.nonzero(is_decode)[0]
+    # the scheduler's usual order, decodes then chunks: each side's rows are consecutive
+    split = bool(is_decode[:len(dec)].all())
     decode = None
     if len(dec):
         decode = DecodePlan(offsets[dec].astype(np.int64), table_rows[dec].astype(np.int32),
-                            (starts[dec] + 1).astype(np.int32))
+                            (starts[dec] + 1).astype(np.int32), 0 if split else None)
     chunks = np.nonzero(~is_decode)[0]
     if not len(chunks):
         return None, decode
@@ -81,26 +85,41 @@ def plan(starts: np.ndarray, num_new: np.ndarray, table: np.ndarray, table_rows:
                             block_size)
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (q, ctx))
     varlen = VarlenPlan(rows.astype(np.int64), None if kv is None else kv.astype(np.int64),
-                        cu_q, cu_k, int(q.max()), int(ctx.max()))
+                        cu_q, cu_k, int(q.max()), int(ctx.max()), len(dec) if split else None)
     return varlen, decode
 
 
 class Varlen(NamedTuple):
-    rows: torch.Tensor
+    rows: torch.Tensor | None  # the query rows; None: `first` and on, consecutive
     kv_slots: torch.Tensor | None
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     max_q: int
     max_k: int
     lengths: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # cu_q, cu_k on the host
+    first: int = 0
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """The chunks' rows of x (a slice where they are consecutive)."""
+        if self.rows is None:
+            return x[self.first:self.first + self.lengths[0][-1]]
+        return x.index_select(0, self.rows)
+
+    def put(self, out: torch.Tensor, values: torch.Tensor) -> None:
+        if self.rows is None:
+            out[self.first:self.first + len(values)] = values
+        else:
+            out.index_copy_(0, self.rows, values)
 
 
 class Decode(NamedTuple):
-    rows: torch.Tensor | None  # [Bd] packed rows of the decodes; None: every row of the step
+    # [Bd] packed rows of the decodes; None: every row of the step, or (`leading`) its first Bd
+    rows: torch.Tensor | None
     table: torch.Tensor  # [R, W] int32: the runner's persistent block table
     table_rows: torch.Tensor  # [Bd] int32: each decode's row of it
     seq_lens: torch.Tensor  # [Bd] int32: context lengths, the new token included
     splits: int = 1  # context splits of each decode (triton_attention.splits_for)
+    leading: bool = False  # the decodes are the step's first rows, chunks after them
 
 
 class Kernels(NamedTuple):
@@ -137,28 +156,32 @@ def build_metadata(starts: np.ndarray, num_new: np.ndarray, table: np.ndarray,
                           kernels.decode is not None)
     longs: list[np.ndarray] = []
     ints: list[np.ndarray] = [slots]  # int32, as a CUDA graph's: one kernel specialization
+    consecutive = varlen is not None and varlen.first is not None
     if varlen is not None:
-        longs += [varlen.rows] + ([] if varlen.kv_slots is None else [varlen.kv_slots])
+        longs += ([] if consecutive else [varlen.rows]) + (
+            [] if varlen.kv_slots is None else [varlen.kv_slots])
         ints += [varlen.cu_q, varlen.cu_k]
     if decode is not None:
         ints += [decode.table_rows, decode.seq_lens]
-        if varlen is not None:
+        if varlen is not None and not consecutive:
             longs.append(decode.rows)
     up64 = iter(link.upload_many(longs, np.int64) if longs else [])
     up32 = iter(link.upload_many(ints, np.int32))
     slot_mapping = next(up32)
     on_varlen = on_decode = None
     if varlen is not None:
-        rows = next(up64)
+        rows = None if consecutive else next(up64)
         kv = None if varlen.kv_slots is None else next(up64)
         on_varlen = Varlen(rows, kv, next(up32), next(up32), varlen.max_q, varlen.max_k,
-                           (tuple(varlen.cu_q.tolist()), tuple(varlen.cu_k.tolist())))
+                           (tuple(varlen.cu_q.tolist()), tuple(varlen.cu_k.tolist())),
+                           varlen.first or 0)
     if decode is not None:
         table_rows_d, lens = next(up32), next(up32)
         splits = triton_attention.splits_for(len(decode.rows), kv_caches[0][0].shape[1],
                                              int(decode.seq_lens.max()))
-        on_decode = Decode(next(up64) if varlen is not None else None, device_table,
-                           table_rows_d, lens, splits)
+        on_decode = Decode(next(up64) if varlen is not None and not consecutive else None,
+                           device_table, table_rows_d, lens, splits,
+                           leading=varlen is not None and consecutive)
     meta = CudaAttentionMetadata(slot_mapping, block_size, on_varlen, on_decode, kv_caches,
                                  kernels)
     return meta, positions
@@ -191,24 +214,29 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     when given. (The attention backend of Tandem's own models, engine_core/models/.)"""
     k_cache, v_cache = meta.kv_caches[layer]
     dec = meta.decode
-    if dec is not None and dec.rows is None:  # a decode-only step: every row decodes
+    if dec is not None and dec.rows is None and not dec.leading:  # a decode-only step
         assert meta.kernels.decode is not None and meta.varlen is None
         result = meta.kernels.decode(q, k_cache, v_cache, dec, scale, meta.block_size)
         return result if out is None else out.copy_(result)
     out = q.new_empty(q.shape) if out is None else out
     if meta.varlen is not None:
         batch = meta.varlen
-        qv = q.index_select(0, batch.rows)
         if batch.kv_slots is None:  # every chunk starts its sequence: the step's own K/V
-            kv = k.index_select(0, batch.rows), v.index_select(0, batch.rows)
+            kv = batch.take(k), batch.take(v)
         else:
             kv = k_cache.index_select(0, batch.kv_slots), v_cache.index_select(0, batch.kv_slots)
-        out.index_copy_(0, batch.rows, meta.kernels.varlen(qv, *kv, batch, scale))
+        batch.put(out, meta.kernels.varlen(batch.take(q), *kv, batch, scale))
     if dec is not None:
-        assert meta.kernels.decode is not None and dec.rows is not None
-        od = meta.kernels.decode(q.index_select(0, dec.rows), k_cache, v_cache, dec, scale,
-                                 meta.block_size)
-        out.index_copy_(0, dec.rows, od)
+        assert meta.kernels.decode is not None
+        if dec.leading:  # the step's first rows: read and written in place
+            count = len(dec.table_rows)
+            out[:count] = meta.kernels.decode(q[:count], k_cache, v_cache, dec, scale,
+                                              meta.block_size)
+        else:
+            assert dec.rows is not None
+            od = meta.kernels.decode(q.index_select(0, dec.rows), k_cache, v_cache, dec, scale,
+                                     meta.block_size)
+            out.index_copy_(0, dec.rows, od)
     return out
 
 

@@ -86,9 +86,14 @@ def loop_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-def run_both(kernels: Kernels) -> None:
-    """One layer's attention of the step above, the portable path against the CUDA path's
-    wiring with `kernels`: same outputs, same caches."""
+DECODES_FIRST = [0, 3, 1, 2]  # the scheduler's usual order: each side's rows consecutive
+
+
+def run_both(kernels: Kernels, order: list[int] | None = None) -> None:
+    """One layer's attention of the step above (its sequences in `order`), the portable path
+    against the CUDA path's wiring with `kernels`: same outputs, same caches."""
+    order = order or [0, 1, 2, 3]
+    starts, num_new, table, rows = STARTS[order], NUM_NEW[order], TABLE[order], ROWS[order]
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = 4, 2, 8
     slots = 10 * BS
@@ -100,13 +105,15 @@ def run_both(kernels: Kernels) -> None:
     v = torch.randn(1, kv_heads, tokens, dim, generator=g)
     layer = SimpleNamespace(layer_idx=0)
     caches = {name: [(kc.clone(), vc.clone()) for kc, vc in cache] for name in ("a", "b")}
-    meta, positions = portable_metadata(STARTS, NUM_NEW, TABLE, BS, caches["a"],
+    meta, positions = portable_metadata(starts, num_new, table, BS, caches["a"],
                                         torch.device("cpu"))
     want, _ = paged_attention(layer, q, k, v, None, 0.3, tandem_meta=meta)  # type: ignore[arg-type]
     link = HostLink(torch.device("cpu"), pinned=False, synchronize=lambda: None)
-    cmeta, cpositions = build_metadata(STARTS, NUM_NEW, PERSISTENT, ROWS,
+    cmeta, cpositions = build_metadata(starts, num_new, PERSISTENT, rows,
                                        torch.from_numpy(PERSISTENT), BS, caches["b"], link,
                                        kernels)
+    consecutive = order == DECODES_FIRST or kernels.decode is None  # (all rows varlen)
+    assert cmeta.varlen is not None and (cmeta.varlen.rows is None) == consecutive
     got, _ = cuda_paged_attention(layer, q, k, v, None, 0.3,  # type: ignore[arg-type]
                                   tandem_meta=cmeta)
     assert cpositions.tolist() == positions.tolist()
@@ -115,10 +122,19 @@ def run_both(kernels: Kernels) -> None:
     assert torch.equal(caches["a"][0][1], caches["b"][0][1])
 
 
-def test_cuda_path_wiring_matches_the_portable_path():
-    run_both(Kernels(reference_varlen, loop_decode))
-    run_both(Kernels(reference_varlen, reference_decode))  # the graph-safe stand-in
-    run_both(Kernels(reference_varlen, None))  # decodes as one-token varlen chunks
+@pytest.mark.parametrize("order", [None, DECODES_FIRST], ids=["mixed", "decodes-first"])
+def test_cuda_path_wiring_matches_the_portable_path(order):
+    run_both(Kernels(reference_varlen, loop_decode), order)
+    run_both(Kernels(reference_varlen, reference_decode), order)  # the graph-safe stand-in
+    run_both(Kernels(reference_varlen, None), order)  # decodes as one-token varlen chunks
+
+
+def test_plan_of_decodes_then_chunks_takes_consecutive_rows():
+    varlen, decode = plan(STARTS[DECODES_FIRST], NUM_NEW[DECODES_FIRST], PERSISTENT,
+                          ROWS[DECODES_FIRST], BS, paged_decode=True)
+    assert decode is not None and varlen is not None
+    assert decode.first == 0 and decode.rows.tolist() == [0, 1]
+    assert varlen.first == 2 and varlen.rows.tolist() == [2, 3, 4, 5, 6]
 
 
 def random_cache(blocks: int, kv_heads: int, dim: int, dtype: torch.dtype = torch.float32,
