@@ -75,9 +75,12 @@ def load_weights(model: nn.Module, files: list[Path], device: torch.device) -> N
     params = dict(model.named_parameters())
     packed: dict[str, Part] = model.packed()  # type: ignore[operator]
     filled: set[tuple[str, int]] = set()
+    # safetensors' own device names: "cpu", "cuda:N"
+    where = str(device) if device.type == "cpu" or device.index is not None else \
+        f"{device.type}:{torch.cuda.current_device()}"
     with torch.no_grad():
         for file in files:
-            with safe_open(str(file), framework="pt", device=str(device)) as f:
+            with safe_open(str(file), framework="pt", device=where) as f:
                 for key in f.keys():
                     name, part = _place(key, packed)
                     if name is None or (key == "lm_head.weight" and name not in params):
