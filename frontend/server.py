@@ -42,26 +42,26 @@ from frontend.errors import Handler, OpenAIError, bad_request, error_middleware
 from frontend.http_limits import HTTP_LIMITS, HttpLimits, body_limit, body_middleware
 from frontend.memory import settle_gc
 from frontend.metrics import CONTENT_TYPE, render
-from frontend.openai.chat import ServingChat
-from frontend.openai.completions import ServingCompletions
-from frontend.openai.plan import REQUEST_LOG
-from frontend.openai.protocol import ModelList
-from frontend.openai.reasoning import ReasoningConfig
-from frontend.openai.responses import ServingResponses
-from frontend.openai.responses_store import ResponseStore
-from frontend.openai.served_model import (
-    ServedModel,
-    read_chat_template,
-    template_reads_tools,
-    use_chat_template,
-)
-from frontend.openai.serving import (
+from frontend.openai.chat.endpoint import ServingChat
+from frontend.openai.completions.endpoint import ServingCompletions
+from frontend.openai.protocol.base import ModelList
+from frontend.openai.reasoning.outputs import ReasoningConfig
+from frontend.openai.responses.endpoint import ServingResponses
+from frontend.openai.responses.store import ResponseStore
+from frontend.openai.serving.choices import (
     RETRY_AFTER_S,
     STREAMING,
     StreamingOptions,
     json_response,
 )
-from frontend.openai.tokens import ServingTokens
+from frontend.openai.serving.plan import REQUEST_LOG
+from frontend.openai.serving.served_model import (
+    ServedModel,
+    read_chat_template,
+    template_reads_tools,
+    use_chat_template,
+)
+from frontend.openai.tokens.endpoint import ServingTokens
 from frontend.options import add_frontend_args, check_frontend_args
 from frontend.text.tokenizer import load_tokenizer
 from shared.argv import ConfigFileError, normalize

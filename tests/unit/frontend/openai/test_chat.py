@@ -11,8 +11,8 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from frontend.errors import OpenAIError
-from frontend.openai.protocol_chat import ChatMessage
-from frontend.openai.served_model import render_chat
+from frontend.openai.protocol.chat import ChatMessage
+from frontend.openai.serving.served_model import render_chat
 from frontend.server import init_app
 from frontend.text.tokenizer import load_tokenizer
 from shared.messages import read_ints
@@ -273,8 +273,8 @@ async def test_auto_tool_choice_warns_when_the_template_never_shows_the_tools(
 def test_content_chunk_bytes_are_msgspecs_encoding(content: str) -> None:
     import msgspec
 
-    from frontend.openai.chat import ContentChunks
-    from frontend.openai.protocol_chat import ChatCompletionChunk, ChatStreamChoice, DeltaMessage
+    from frontend.openai.chat.endpoint import ContentChunks
+    from frontend.openai.protocol.chat import ChatCompletionChunk, ChatStreamChoice, DeltaMessage
 
     chunks = ContentChunks("chatcmpl-\u00e9x", 1700000000, 'm"odel')
     for index in (0, 3, 0):

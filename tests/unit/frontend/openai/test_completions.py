@@ -284,8 +284,8 @@ def test_chunk_template_bytes_are_msgspecs_encoding(
 ) -> None:
     import msgspec
 
-    from frontend.openai.completions import ChunkTemplate, to_choice
-    from frontend.openai.protocol import CompletionStreamChunk, Usage
+    from frontend.openai.completions.endpoint import ChunkTemplate, to_choice
+    from frontend.openai.protocol.base import CompletionStreamChunk, Usage
     from frontend.text.output_processor import ChoiceDelta
 
     delta = ChoiceDelta('a "quoted" \\ 你好 🎉\n', tokens=["a", "bytes:\\xe4"],

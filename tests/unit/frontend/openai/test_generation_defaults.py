@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from frontend.openai.protocol import CompletionRequest, decode_request
+from frontend.openai.protocol.base import CompletionRequest, decode_request
 from frontend.server import init_app
 from tests.unit.fake_engine import FakeEngine, cached_tokenizer, frontend_config
 

@@ -8,10 +8,10 @@ import msgspec
 import pytest
 
 from frontend.errors import OpenAIError, from_validation_error
-from frontend.openai.completions import completion_fields
-from frontend.openai.plan import parse_logit_bias, read_sampling
-from frontend.openai.protocol import CompletionRequest, decode_request, split_prompts
-from frontend.openai.served_model import ServedModel
+from frontend.openai.completions.endpoint import completion_fields
+from frontend.openai.protocol.base import CompletionRequest, decode_request, split_prompts
+from frontend.openai.serving.plan import parse_logit_bias, read_sampling
+from frontend.openai.serving.served_model import ServedModel
 from shared.messages import SamplingParams
 from tests.unit.fake_engine import FakeEngine, cached_tokenizer, tokenizer_folder
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from frontend.openai.reasoning_parsers import (
+from frontend.openai.reasoning.parsers import (
     PARSERS,
     DeepSeekR1Parser,
     Qwen3Parser,

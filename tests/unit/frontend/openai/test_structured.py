@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from aiohttp.test_utils import TestClient
 
-from frontend.openai.structured import (
+from frontend.openai.protocol.structured import (
     MAX_SCHEMA_DEPTH,
     MAX_SPEC_CHARS,
     SCHEMA_LIMITS,

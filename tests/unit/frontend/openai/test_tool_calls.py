@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from frontend.openai.structured import MAX_SCHEMA_DEPTH, SCHEMA_LIMITS, schema_width
-from frontend.openai.tool_calls import TOOL_GRAMMAR_LIMITS, FunctionDefinition, required_schema
+from frontend.openai.protocol.structured import MAX_SCHEMA_DEPTH, SCHEMA_LIMITS, schema_width
+from frontend.openai.tools.calls import TOOL_GRAMMAR_LIMITS, FunctionDefinition, required_schema
 from frontend.server import init_app
 from shared.messages import StructuredOutput, read_ints
 from tests.unit.fake_engine import (

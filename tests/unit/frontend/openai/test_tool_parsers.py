@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from frontend.openai.tool_parsers import (
+from frontend.openai.tools.parsers import (
     CallArgs,
     CallStart,
     Content,

@@ -24,7 +24,7 @@ from typing import Any, Literal, NamedTuple
 import msgspec
 
 from frontend.errors import bad_request
-from frontend.openai.protocol_chat import (
+from frontend.openai.protocol.chat import (
     ChatCompletionRequest,
     ChatMessage,
     DeltaFunctionCall,
@@ -32,13 +32,13 @@ from frontend.openai.protocol_chat import (
     FunctionCall,
     ToolCall,
 )
-from frontend.openai.structured import (
+from frontend.openai.protocol.structured import (
     Constraint,
     SchemaWidth,
     check_schema,
     check_schema_width,
 )
-from frontend.openai.tool_parsers import (
+from frontend.openai.tools.parsers import (
     AUTO_PARSERS,
     CallArgs,
     CallStart,

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import msgspec
 
-from frontend.openai.plan import ApiFields, RequestPlan, plan_request
-from frontend.openai.protocol_chat import (
+from frontend.openai.protocol.chat import (
     ChatCompletionRequest,
     check_chat_request,
     max_completion_tokens,
     top_logprobs,
 )
-from frontend.openai.reasoning import ReasoningConfig
-from frontend.openai.served_model import ServedModel
-from frontend.openai.tool_calls import ToolPlan, template_messages
+from frontend.openai.reasoning.outputs import ReasoningConfig
+from frontend.openai.serving.plan import ApiFields, RequestPlan, plan_request
+from frontend.openai.serving.served_model import ServedModel
+from frontend.openai.tools.calls import ToolPlan, template_messages
 
 
 def plan_chat(req: ChatCompletionRequest, tools: ToolPlan, served: ServedModel,

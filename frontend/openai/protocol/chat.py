@@ -1,8 +1,9 @@
 """OpenAI chat-completions schemas as msgspec Structs, and the checks of chat messages.
 
 A chat request is the shared SamplingRequest plus messages and the chat's own length and
-logprobs fields; `frontend.openai.chat` renders its messages and samples the answer through the
-same planner as completions, so both APIs share one set of sampling and length rules.
+logprobs fields; `frontend.openai.chat.endpoint` renders its messages and samples the answer
+through the same planner as completions, so both APIs share one set of sampling and length
+rules.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import msgspec
 from msgspec import Meta
 
 from frontend.errors import bad_request
-from frontend.openai.protocol import SamplingRequest, Usage
+from frontend.openai.protocol.base import SamplingRequest, Usage
 from shared.messages import MAX_LOGPROBS
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -51,7 +52,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None  # handed to the chat template as they are
     # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}; None:
-    # "auto" with tools, else "none" (read by frontend.openai.tool_calls)
+    # "auto" with tools, else "none" (read by frontend.openai.tools.calls)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
 

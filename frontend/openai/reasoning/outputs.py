@@ -24,8 +24,8 @@ from typing import Any
 
 import msgspec
 
-from frontend.openai.protocol_chat import DeltaMessage, ResponseMessage
-from frontend.openai.reasoning_parsers import PARSERS, ThinkingParser
+from frontend.openai.protocol.chat import DeltaMessage, ResponseMessage
+from frontend.openai.reasoning.parsers import PARSERS, ThinkingParser
 from frontend.text.output_processor import ChoiceDelta
 
 logger = logging.getLogger(__name__)

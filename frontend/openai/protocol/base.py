@@ -3,7 +3,7 @@ completions API, usage, and the model list. The chat schemas are in `protocol_ch
 
 `decode_request` enforces types and ranges (a violation raises `msgspec.ValidationError`, which
 the error middleware answers as a 400 naming the field). The rules that cross fields or need the
-model are checked once, in `frontend.openai.plan`. ErrorResponse (the error body) lives with
+model are checked once, in `frontend.openai.serving.plan`. ErrorResponse (the error body) lives with
 OpenAIError in frontend.errors.
 """
 
@@ -17,7 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from frontend.errors import bad_request
-from frontend.openai.structured import ResponseFormat, StructuredOutputsParams
+from frontend.openai.protocol.structured import ResponseFormat, StructuredOutputsParams
 from shared.messages import MAX_LOGPROBS
 
 MAX_N = 128

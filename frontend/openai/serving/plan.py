@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import msgspec
 
 from frontend.errors import bad_request
-from frontend.openai.protocol import MAX_STOP_STRINGS, SamplingRequest, Usage, split_prompts
-from frontend.openai.reasoning import ReasoningPlan
-from frontend.openai.served_model import ServedModel
-from frontend.openai.structured import Constraint, read_constraint
+from frontend.openai.protocol.base import MAX_STOP_STRINGS, SamplingRequest, Usage, split_prompts
+from frontend.openai.protocol.structured import Constraint, read_constraint
+from frontend.openai.reasoning.outputs import ReasoningPlan
+from frontend.openai.serving.served_model import ServedModel
 from frontend.text.output_processor import ChoiceProcessor, OutputOptions
 from shared.messages import SamplingParams
 

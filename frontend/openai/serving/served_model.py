@@ -16,8 +16,8 @@ import jinja2
 import msgspec
 
 from frontend.errors import OpenAIError, bad_request
-from frontend.openai.protocol import ModelCard
-from frontend.openai.protocol_chat import ChatMessage, ContentPart, check_messages
+from frontend.openai.protocol.base import ModelCard
+from frontend.openai.protocol.chat import ChatMessage, ContentPart, check_messages
 from frontend.text.byte_pieces import BytePieces
 from frontend.text.logprob_text import TokenTextCache
 from shared.messages import Ready

@@ -26,9 +26,9 @@ from frontend.engine.group import EngineGroup
 from frontend.engine.stream import OutputStream, StepItem
 from frontend.errors import OpenAIError, bad_request
 from frontend.http_limits import HTTP_LIMITS
-from frontend.openai.plan import ChoiceState, RequestPlan
-from frontend.openai.protocol import Usage
-from frontend.openai.sse import ClientGoneError, SSEWriter
+from frontend.openai.protocol.base import Usage
+from frontend.openai.serving.plan import ChoiceState, RequestPlan
+from frontend.openai.serving.sse import ClientGoneError, SSEWriter
 from frontend.text.output_processor import ChoiceDelta
 from shared.step_outputs import TokenLogprob
 

@@ -14,15 +14,15 @@ from typing import Any
 from aiohttp import web
 
 from frontend.errors import bad_request
-from frontend.openai.protocol import decode_request
-from frontend.openai.protocol_tokens import (
+from frontend.openai.protocol.base import decode_request
+from frontend.openai.serving.choices import json_response, prepare
+from frontend.openai.serving.served_model import ServedModel
+from frontend.openai.tokens.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
-from frontend.openai.served_model import ServedModel
-from frontend.openai.serving import json_response, prepare
 
 
 class ServingTokens:

@@ -32,11 +32,17 @@ from frontend.engine.client import EngineDeadError
 from frontend.engine.group import EngineGroup
 from frontend.errors import OpenAIError, bad_request, from_validation_error
 from frontend.http_limits import HTTP_LIMITS
-from frontend.openai.chat_plan import plan_chat
-from frontend.openai.plan import RequestPlan
-from frontend.openai.protocol import decode_request
-from frontend.openai.protocol_chat import ChatCompletionRequest, ChatMessage
-from frontend.openai.protocol_responses import (
+from frontend.openai.protocol.base import decode_request
+from frontend.openai.protocol.chat import ChatCompletionRequest, ChatMessage
+from frontend.openai.reasoning.outputs import ReasoningConfig
+from frontend.openai.responses.input import (
+    chat_request,
+    input_messages,
+    instructions_message,
+    output_messages,
+)
+from frontend.openai.responses.output import OutputItems, new_id
+from frontend.openai.responses.protocol import (
     IncompleteDetails,
     InputTokensDetails,
     OutputTokensDetails,
@@ -47,17 +53,9 @@ from frontend.openai.protocol_responses import (
     ResponseUsage,
     StreamEvent,
 )
-from frontend.openai.reasoning import ReasoningConfig
-from frontend.openai.responses_input import (
-    chat_request,
-    input_messages,
-    instructions_message,
-    output_messages,
-)
-from frontend.openai.responses_output import OutputItems, new_id
-from frontend.openai.responses_store import ResponseStore
-from frontend.openai.served_model import ServedModel
-from frontend.openai.serving import (
+from frontend.openai.responses.store import ResponseStore
+from frontend.openai.serving.chat_plan import plan_chat
+from frontend.openai.serving.choices import (
     NO_GROUPING,
     STREAMING,
     ChoiceRun,
@@ -67,8 +65,10 @@ from frontend.openai.serving import (
     json_response,
     prepare,
 )
-from frontend.openai.sse import ClientGoneError, SSEWriter
-from frontend.openai.tool_calls import ToolPlan, read_tool_plan
+from frontend.openai.serving.plan import RequestPlan
+from frontend.openai.serving.served_model import ServedModel
+from frontend.openai.serving.sse import ClientGoneError, SSEWriter
+from frontend.openai.tools.calls import ToolPlan, read_tool_plan
 from frontend.text.output_processor import ChoiceDelta, merge_deltas
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ from typing import Any
 
 import msgspec
 
-from frontend.openai.protocol_responses import (
+from frontend.openai.reasoning.outputs import ChoiceReasoning
+from frontend.openai.responses.protocol import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
     ContentPartEvent,
@@ -39,9 +40,8 @@ from frontend.openai.protocol_responses import (
     TextDeltaEvent,
     TextDoneEvent,
 )
-from frontend.openai.reasoning import ChoiceReasoning
-from frontend.openai.tool_calls import ToolPlan
-from frontend.openai.tool_parsers import CallArgs, CallStart, Content, ToolEvent, ToolExtractor
+from frontend.openai.tools.calls import ToolPlan
+from frontend.openai.tools.parsers import CallArgs, CallStart, Content, ToolEvent, ToolExtractor
 from frontend.text.output_processor import ChoiceDelta
 
 

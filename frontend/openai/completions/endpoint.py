@@ -13,8 +13,7 @@ from aiohttp import web
 
 from frontend.engine.group import EngineGroup
 from frontend.errors import bad_request
-from frontend.openai.plan import ApiFields, RequestPlan, plan_request
-from frontend.openai.protocol import (
+from frontend.openai.protocol.base import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -23,14 +22,15 @@ from frontend.openai.protocol import (
     Usage,
     decode_request,
 )
-from frontend.openai.served_model import ServedModel
-from frontend.openai.serving import (
+from frontend.openai.serving.choices import (
     chunk_head,
     collect_choices,
     json_response,
     prepare,
     stream_choices,
 )
+from frontend.openai.serving.plan import ApiFields, RequestPlan, plan_request
+from frontend.openai.serving.served_model import ServedModel
 from frontend.text.output_processor import ChoiceDelta, merge_deltas
 
 

@@ -2,7 +2,7 @@
 and the openai-agents SDK send), the response object with its output items, and the streaming
 events.
 
-Input items stay plain JSON objects here: `frontend.openai.responses_input` reads each by its
+Input items stay plain JSON objects here: `frontend.openai.responses.input` reads each by its
 `type` (a message may leave its type out) so that an unknown one is a 400 naming its place.
 Fields Codex sends that change nothing here are accepted: `store`, `include`, `reasoning`,
 `prompt_cache_key`, `client_metadata`, `metadata`, `truncation`, `service_tier`. Unknown fields

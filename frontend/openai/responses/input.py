@@ -22,8 +22,8 @@ from typing import Any
 import msgspec
 
 from frontend.errors import bad_request
-from frontend.openai.protocol_chat import ChatCompletionRequest, ChatMessage, ContentPart
-from frontend.openai.protocol_responses import ResponsesRequest, TextFormat
+from frontend.openai.protocol.chat import ChatCompletionRequest, ChatMessage, ContentPart
+from frontend.openai.responses.protocol import ResponsesRequest, TextFormat
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")

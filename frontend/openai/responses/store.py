@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from frontend.openai.protocol_chat import ChatMessage
+from frontend.openai.protocol.chat import ChatMessage
 
 
 class ResponseStore:

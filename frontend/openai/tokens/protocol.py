@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from frontend.openai.protocol_chat import ChatMessage
+from frontend.openai.protocol.chat import ChatMessage
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

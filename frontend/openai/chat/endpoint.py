@@ -18,10 +18,8 @@ import msgspec
 from aiohttp import web
 
 from frontend.engine.group import EngineGroup
-from frontend.openai.chat_plan import plan_chat
-from frontend.openai.plan import RequestPlan
-from frontend.openai.protocol import Usage, decode_request
-from frontend.openai.protocol_chat import (
+from frontend.openai.protocol.base import Usage, decode_request
+from frontend.openai.protocol.chat import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -35,16 +33,18 @@ from frontend.openai.protocol_chat import (
     check_chat_request,
     top_logprobs,
 )
-from frontend.openai.reasoning import ReasoningConfig
-from frontend.openai.served_model import ServedModel
-from frontend.openai.serving import (
+from frontend.openai.reasoning.outputs import ReasoningConfig
+from frontend.openai.serving.chat_plan import plan_chat
+from frontend.openai.serving.choices import (
     chunk_head,
     collect_choices,
     json_response,
     prepare,
     stream_choices,
 )
-from frontend.openai.tool_calls import ChoiceTools, ToolPlan, read_tool_plan
+from frontend.openai.serving.plan import RequestPlan
+from frontend.openai.serving.served_model import ServedModel
+from frontend.openai.tools.calls import ChoiceTools, ToolPlan, read_tool_plan
 from frontend.text.logprob_text import TokenTextCache
 from frontend.text.output_processor import ChoiceDelta, GeneratedToken, merge_deltas
 
