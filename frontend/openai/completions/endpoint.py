@@ -13,15 +13,14 @@ from aiohttp import web
 
 from frontend.engine.group import EngineGroup
 from frontend.errors import bad_request
-from frontend.openai.protocol.base import (
+from frontend.openai.completions.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamChunk,
-    Usage,
-    decode_request,
 )
+from frontend.openai.protocol.base import Usage, decode_request
 from frontend.openai.serving.choices import (
     chunk_head,
     collect_choices,

@@ -1,5 +1,6 @@
-"""OpenAI schemas as msgspec Structs: the sampling fields both generation APIs share, the
-completions API, usage, and the model list. The chat schemas are in `protocol_chat`.
+"""OpenAI schemas as msgspec Structs: the sampling fields both generation APIs share, usage,
+and the model list. The chat schemas are in `chat.py`, the completions API's in
+`frontend.openai.completions.protocol`.
 
 `decode_request` enforces types and ranges (a violation raises `msgspec.ValidationError`, which
 the error middleware answers as a 400 naming the field). The rules that cross fields or need the
@@ -18,13 +19,11 @@ from msgspec import Meta
 
 from frontend.errors import bad_request
 from frontend.openai.protocol.structured import ResponseFormat, StructuredOutputsParams
-from shared.messages import MAX_LOGPROBS
 
 MAX_N = 128
 MAX_STOP_STRINGS = 64
 
 NonNegInt = Annotated[int, Meta(ge=0)]
-Prompt = str | list[str | int | list[int]]  # as decoded; split_prompts checks the form
 RequestT = TypeVar("RequestT", bound=msgspec.Struct)
 
 
@@ -61,33 +60,6 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     structured_outputs: StructuredOutputsParams | None = None  # and vLLM's
 
 
-class CompletionRequest(SamplingRequest, kw_only=True):
-    """POST /v1/completions."""
-
-    prompt: Prompt
-    echo: bool = False
-    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    max_tokens: NonNegInt | None = None
-    best_of: Annotated[int, Meta(ge=1)] | None = None
-    return_tokens_as_token_ids: bool = False
-    suffix: str | None = None
-
-
-class CompletionLogprobs(msgspec.Struct):
-    text_offset: Sequence[int]
-    token_logprobs: Sequence[float | None]
-    tokens: Sequence[str]
-    top_logprobs: Sequence[dict[str, float] | None]
-
-
-class CompletionChoice(msgspec.Struct):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: str | None
-    stop_reason: str | int | None = None
-
-
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
@@ -96,26 +68,6 @@ class Usage(msgspec.Struct):
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
         return cls(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
-
-
-class CompletionResponse(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-    object: Literal["text_completion"] = "text_completion"
-
-
-class CompletionStreamChunk(msgspec.Struct):
-    """One SSE `data:` payload; `usage` is null except where stream_options ask for it."""
-
-    id: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    object: Literal["text_completion"] = "text_completion"
 
 
 class ModelCard(msgspec.Struct):

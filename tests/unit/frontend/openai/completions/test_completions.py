@@ -285,7 +285,8 @@ def test_chunk_template_bytes_are_msgspecs_encoding(
     import msgspec
 
     from frontend.openai.completions.endpoint import ChunkTemplate, to_choice
-    from frontend.openai.protocol.base import CompletionStreamChunk, Usage
+    from frontend.openai.completions.protocol import CompletionStreamChunk
+    from frontend.openai.protocol.base import Usage
     from frontend.text.output_processor import ChoiceDelta
 
     delta = ChoiceDelta('a "quoted" \\ 你好 🎉\n', tokens=["a", "bytes:\\xe4"],

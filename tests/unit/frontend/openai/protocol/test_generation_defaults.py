@@ -8,7 +8,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from frontend.openai.protocol.base import CompletionRequest, decode_request
+from frontend.openai.completions.protocol import CompletionRequest
+from frontend.openai.protocol.base import decode_request
 from frontend.server import init_app
 from tests.unit.fake_engine import FakeEngine, cached_tokenizer, frontend_config
 

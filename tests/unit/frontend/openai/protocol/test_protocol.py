@@ -9,7 +9,8 @@ import pytest
 
 from frontend.errors import OpenAIError, from_validation_error
 from frontend.openai.completions.endpoint import completion_fields
-from frontend.openai.protocol.base import CompletionRequest, decode_request, split_prompts
+from frontend.openai.completions.protocol import CompletionRequest
+from frontend.openai.protocol.base import decode_request, split_prompts
 from frontend.openai.serving.plan import parse_logit_bias, read_sampling
 from frontend.openai.serving.served_model import ServedModel
 from shared.messages import SamplingParams
