@@ -1,13 +1,14 @@
 """POST /v1/responses: OpenAI's Responses API, the stateless subset Codex CLI and the
 openai-agents SDK use, on the chat machinery.
 
-A request is read once into a chat request (`responses_input.py`: input items as messages,
-tools, tool_choice, text.format as response_format) and planned as chat plans it
-(`chat_plan.plan_chat`: the same template, tool plan, structured outputs and reasoning split);
-its choice runs on the engine through the same loop (`serving.ChoiceRun`). Only the shapes
-differ: the answer's deltas become output items (`responses_output.py`), in a `response`
-object, or streamed as OpenAI's events, each with its `sequence_number`; the joined deltas
-equal the non-streamed items.
+A request is read once into a chat request (`input.py`: input items as messages, tools,
+tool_choice, text.format as response_format) and planned as chat plans it
+(`serving.chat_plan.plan_chat`: the same template, tool plan, structured outputs and reasoning
+split); its choice runs on the engine and is answered through what every API uses
+(`serving.choices`: `collect_choices`, and `stream_events`, the one stream lifecycle). Only the
+shapes differ: the answer's deltas become output items (`output.py`), in a `response` object,
+or streamed as OpenAI's named events, each with its `sequence_number`; the joined deltas equal
+the non-streamed items.
 
 tool_choice "auto" (Codex's default) never fails for want of server flags, as in vLLM's
 Responses endpoint: with `--tool-call-parser` the calls in the text become function_call items;
@@ -15,12 +16,11 @@ without one the answer is text (the template still shows the model the tools).
 
 State: none by default; `previous_response_id` is a 400 asking for the whole history, unless
 `--responses-store-size N` keeps the last N conversations of this frontend
-(`responses_store.py`, where its behaviour behind several frontends is written down).
+(`store.py`, where its behaviour behind several frontends is written down).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,10 +28,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from frontend.engine.client import EngineDeadError
 from frontend.engine.group import EngineGroup
 from frontend.errors import OpenAIError, bad_request, from_validation_error
-from frontend.http_limits import HTTP_LIMITS
 from frontend.openai.protocol.base import decode_request
 from frontend.openai.protocol.chat import ChatCompletionRequest, ChatMessage
 from frontend.openai.reasoning.outputs import ReasoningConfig
@@ -56,22 +54,17 @@ from frontend.openai.responses.protocol import (
 from frontend.openai.responses.store import ResponseStore
 from frontend.openai.serving.chat_plan import plan_chat
 from frontend.openai.serving.choices import (
-    NO_GROUPING,
-    STREAMING,
-    ChoiceRun,
-    EngineRequestError,
+    StreamEvents,
     collect_choices,
-    engine_error,
     json_response,
     prepare,
+    stream_events,
 )
 from frontend.openai.serving.plan import RequestPlan
 from frontend.openai.serving.served_model import ServedModel
-from frontend.openai.serving.sse import ClientGoneError, SSEWriter
+from frontend.openai.serving.sse import named_event
 from frontend.openai.tools.calls import ToolPlan, read_tool_plan
 from frontend.text.output_processor import ChoiceDelta, merge_deltas
-
-logger = logging.getLogger(__name__)
 
 # The chat fields an error may name, as the Responses API names them.
 PARAMS = {"messages": "input", "prompt": "input", "response_format": "text.format",
@@ -163,47 +156,41 @@ class ServingResponses:
     async def _stream(self, request: web.Request, rp: ResponsesPlan) -> web.StreamResponse:
         """response.created and .in_progress with the first delta (an engine refusal before it
         is a plain 400), each delta's events, then .completed or .incomplete; an engine failure
-        after the start is a response.failed event."""
-        sse = SSEWriter(request, request.app[HTTP_LIMITS].write_timeout)
-        numbers = iter(range(1 << 62))
-
-        async def send(event: StreamEvent) -> None:
-            event.sequence_number = next(numbers)
-            await sse.send(event, event.type)
-
+        after the start is a response.failed event. The lifecycle is every stream's
+        (`stream_events`); each event is numbered as it is made, in the order it is sent."""
         out = self._items(rp)
-        run = ChoiceRun(self.client, rp.plan.choices, request.app.get(STREAMING, NO_GROUPING))
-        try:
-            try:
-                run.start()
-                while outputs := await run.next():
-                    for _, delta in outputs:
-                        if not sse.started:
-                            for kind in ("response.created", "response.in_progress"):
-                                await send(ResponseEvent(type=kind, response=self._response(
-                                    rp, None, "in_progress")))
-                        for event in out.feed(delta):
-                            await send(event)
-            except (EngineRequestError, EngineDeadError) as exc:
-                error = engine_error(exc, rp.plan.constraint_param)
-                if not sse.started:
-                    raise error from None
-                failed = ResponseError(str(error.code), error.message)
-                await send(ResponseEvent(type="response.failed", response=self._response(
-                    rp, out, "failed", failed)))
-                return await sse.end()
+        numbers = iter(range(1 << 62))
+        encode = msgspec.json.Encoder().encode
+        started = False
+
+        def event(e: StreamEvent) -> bytes:
+            e.sequence_number = next(numbers)
+            return named_event(e.type, encode(e))
+
+        def chunks_of(_: int, delta: ChoiceDelta) -> list[bytes]:
+            nonlocal started
+            made: list[StreamEvent] = []
+            if not started:
+                started = True
+                made = [ResponseEvent(type=kind, response=self._response(rp, None, "in_progress"))
+                        for kind in ("response.created", "response.in_progress")]
+            return [event(e) for e in [*made, *out.feed(delta)]]
+
+        def last() -> list[bytes]:
+            closing = []
             if out.finish_reason is None:  # the engine said nothing more: close what is open
-                for event in out.feed(ChoiceDelta(), final=True):
-                    await send(event)
+                closing = out.feed(ChoiceDelta(), final=True)
             response = self._finished(rp, out)
-            await send(ResponseEvent(type=f"response.{response.status}", response=response))
-            return await sse.end()
-        except ClientGoneError as exc:  # its engine request was aborted on the way out
-            logger.info("closed the stream of %s: %s", rp.id, exc)
-            return sse.response
-        finally:
-            run.close()
-            sse.close()
+            done = ResponseEvent(type=f"response.{response.status}", response=response)
+            return [event(e) for e in [*closing, done]]
+
+        def failed(error: OpenAIError) -> bytes:
+            failure = ResponseError(str(error.code), error.message)
+            return event(ResponseEvent(type="response.failed", response=self._response(
+                rp, out, "failed", failure)))
+
+        return await stream_events(request, self.client, rp.plan,
+                                   StreamEvents(chunks_of, last, failed, named=True))
 
     def _finished(self, rp: ResponsesPlan, out: OutputItems) -> ResponseObject:
         """The whole response; kept in the store when there is one and `store` is not false."""

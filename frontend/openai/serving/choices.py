@@ -5,9 +5,10 @@ answering as JSON or as server-sent events, and mapping engine failures to OpenA
 deltas, one per choice per wake-up however many steps arrived meanwhile (the output merging of
 docs/architecture.md). Whatever ends it — success, error, client disconnect, a client that
 stopped reading, cancellation — every engine request still running is aborted.
-`collect_choices` (a JSON answer) and `stream_choices` (SSE) consume the very same deltas, so a
-streamed and a non-streamed answer agree exactly. `prepare` decodes and plans a large body on a
-worker thread, off the event loop.
+`collect_choices` (a JSON answer) and `stream_events` (SSE: every API's stream lifecycle, with
+its events as `StreamEvents`; `stream_choices` for chat's and completions' chunks) consume the
+very same deltas, so a streamed and a non-streamed answer agree exactly. `prepare` decodes and
+plans a large body on a worker thread, off the event loop.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ OFF_LOOP_BYTES = 16 * 1024
 RETRY_AFTER_S = 1  # what every 503 tells the client (the Retry-After header)
 T = TypeVar("T")
 
-ChunksOf = Callable[[int, ChoiceDelta], list[bytes]]  # (choice, delta) -> its events' JSON
+ChunksOf = Callable[[int, ChoiceDelta], list[bytes]]  # (choice, delta) -> its events
 UsageChunk = Callable[[Usage], msgspec.Struct]  # the last payload, when usage was asked
 
 
@@ -243,6 +244,22 @@ async def collect_choices(client: EngineGroup, plan: RequestPlan) -> list[list[C
     return collected
 
 
+@dataclass(frozen=True)
+class StreamEvents:
+    """What one API streams on the lifecycle every stream shares (`stream_events`).
+
+    `chunks_of`: a choice's delta as its events (none for a delta that shows nothing); `last`:
+    the events after the last delta; `failed`: the event that ends a stream the engine failed
+    after it started. `named`: each event is whole, named by an `event:` line
+    (`sse.named_event`), and the stream ends without [DONE] (the Responses API's); otherwise
+    each is a `data:` event's JSON and [DONE] ends the stream (chat's and completions')."""
+
+    chunks_of: ChunksOf
+    last: Callable[[], list[bytes]]
+    failed: Callable[[OpenAIError], bytes]
+    named: bool = False
+
+
 async def stream_choices(
     request: web.Request,
     client: EngineGroup,
@@ -250,22 +267,39 @@ async def stream_choices(
     chunks_of: ChunksOf,
     usage_chunk: UsageChunk | None,
 ) -> web.StreamResponse:
-    """Answer with server-sent events: `chunks_of` each delta (every chunk of one wake-up in
-    one write), then `usage_chunk` if given, then [DONE]. An engine failure before the first
-    event is a plain error response; after it, an error event ends the stream."""
-    sse = SSEWriter(request, request.app[HTTP_LIMITS].write_timeout)
+    """Chat's and completions' stream: `chunks_of` each delta, then `usage_chunk` if given,
+    then [DONE]; an engine failure after the first event is OpenAI's error JSON as an event."""
+
+    def last() -> list[bytes]:
+        if usage_chunk is None:
+            return []
+        return [msgspec.json.encode(usage_chunk(plan.usage()))]
+
+    return await stream_events(request, client, plan,
+                               StreamEvents(chunks_of, last, OpenAIError.to_json))
+
+
+async def stream_events(request: web.Request, client: EngineGroup, plan: RequestPlan,
+                        events: StreamEvents) -> web.StreamResponse:
+    """Answer with server-sent events: each wake-up's deltas as `events.chunks_of` (every event
+    of one wake-up in one write), then `events.last()`, then the end. An engine failure before
+    the first event is a plain error response; after it, `events.failed` ends the stream. A
+    client that is gone ends it quietly; the run's engine requests are aborted however it ends.
+    """
+    sse = SSEWriter(request, request.app[HTTP_LIMITS].write_timeout, events.named)
     run = ChoiceRun(client, plan.choices, request.app.get(STREAMING, NO_GROUPING))
     try:
         try:
             run.start()
-            await EventPump(run, sse, chunks_of).run()
+            await EventPump(run, sse, events.chunks_of).run()
         except (EngineRequestError, EngineDeadError) as exc:
+            error = engine_error(exc, plan.constraint_param)
             if not sse.started:
-                raise engine_error(exc, plan.constraint_param) from None
-            return await sse.fail(engine_error(exc, plan.constraint_param).to_json())
-        if usage_chunk is not None:
-            await sse.send(usage_chunk(plan.usage()))
-        return await sse.done()
+                raise error from None
+            await sse.send_all([events.failed(error)])
+            return await sse.end()
+        await sse.send_all(events.last())
+        return await (sse.end() if events.named else sse.done())
     except ClientGoneError as exc:  # its engine requests were aborted on the way out
         logger.info("closed the stream of %s: %s", plan.id, exc)
         return sse.response

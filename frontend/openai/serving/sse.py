@@ -12,15 +12,12 @@ goes through aiohttp's flow control.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-Chunk = msgspec.Struct | bytes  # an event's JSON: a struct to encode, or its bytes
 
 
 class ClientGoneError(Exception):
@@ -39,41 +36,42 @@ def events(payloads: Sequence[bytes]) -> bytes:
     return b"".join([b"data: %b\n\n" % p for p in payloads])
 
 
+def named_event(name: str, payload: bytes) -> bytes:
+    """One whole event, named by an `event:` line (the Responses API's), of a JSON payload."""
+    return b"event: %b\ndata: %b\n\n" % (name.encode(), payload)
+
+
 class SSEWriter:
     """Server-sent events, prepared lazily at the first event: an error found before anything
     was sent can still be answered with a plain status and JSON body. A write the client does
     not take within `write_timeout` closes the connection and raises StalledClientError; a write
-    to a connection the client closed raises ClientGoneError.
+    to a connection the client closed raises ClientGoneError. Its payloads are `data:` events'
+    JSON, or with `named` whole events (`named_event`), written as they are.
 
     One deadline per stream rather than a timer per write: a write notes when it began, and one
     watchdog timer, re-armed for the earliest moment a write could be overdue, aborts the
     connection of a write still unfinished then (which ends that write)."""
 
-    def __init__(self, request: web.Request, write_timeout: float) -> None:
+    def __init__(self, request: web.Request, write_timeout: float, named: bool = False) -> None:
         self.request = request
         self.response = web.StreamResponse(headers=SSE_HEADERS)
         self.started = False
         self.write_timeout = write_timeout
-        self._encoder = msgspec.json.Encoder()
+        # payloads -> the bytes of their events
+        self._frame: Callable[[Sequence[bytes]], bytes] = b"".join if named else events
+        self._named = named
         self._loop = asyncio.get_running_loop()
         self._writing_since: float | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._stalled = False
         self._transport: asyncio.Transport | None = None  # once prepared
         self._chunked = False
-
-    def encode(self, payload: Chunk) -> bytes:
-        return payload if isinstance(payload, bytes) else self._encoder.encode(payload)
-
-    async def send(self, payload: Chunk, event: str | None = None) -> None:
-        """One `data:` event; named by an `event:` line when given (the Responses API's)."""
-        data = events([self.encode(payload)])
-        await self._write(data if event is None else b"event: %b\n%b" % (event.encode(), data))
+        self._one_data_chunk = False  # chunked data events: write_now frames one in one go
 
     async def send_all(self, payloads: Sequence[bytes]) -> None:
         """Several events in one write."""
         if payloads:
-            await self._write(events(payloads))
+            await self._write(self._frame(payloads))
 
     def can_write_now(self) -> bool:
         """True when `write_now` may write: prepared, no write waiting, and the socket has
@@ -88,23 +86,17 @@ class SSEWriter:
             return
         transport = self._transport
         assert transport is not None
-        if self._chunked and len(payloads) == 1:  # one event, framed in one go
+        if self._one_data_chunk and len(payloads) == 1:  # one event, framed in one go
             payload = payloads[0]
             transport.write(b"%x\r\ndata: %b\n\n\r\n" % (len(payload) + 8, payload))
             return
-        data = events(payloads)
+        data = self._frame(payloads)
         transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
-
-    async def fail(self, error_json: bytes) -> web.StreamResponse:
-        """Send an error event and end the stream (no [DONE])."""
-        await self.send(error_json)
-        await self._guarded(self.response.write_eof())
-        return self.response
 
     async def done(self) -> web.StreamResponse:
         """Send [DONE] and end the stream (one write once the response is prepared)."""
         if not self.started:
-            await self.send(b"[DONE]")
+            await self._write(events([b"[DONE]"]))
             return await self.end()
         await self._guarded(self.response.write_eof(events([b"[DONE]"])))
         return self.response
@@ -125,6 +117,7 @@ class SSEWriter:
             self._watchdog = self._loop.call_later(self.write_timeout, self._check)
             await self._guarded(self.response.prepare(self.request))
             self._chunked = self.response.headers.get("Transfer-Encoding") == "chunked"
+            self._one_data_chunk = self._chunked and not self._named
             # write_now frames bare or chunked bytes: never into a compressed or sized body
             if not self.response.compression and self.response.content_length is None:
                 self._transport = self.request.transport

@@ -5,6 +5,7 @@ calls with and without a parser, reasoning items, the store, and the 400s naming
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -133,6 +134,30 @@ async def test_streamed_events_join_to_the_answer(client: Client,
     body = await create(client, **args)
     final = replay(await events_of(client, **args))
     assert comparable(final) == comparable(body)
+
+
+async def test_engine_failures_before_and_after_the_first_event(stateless: Client,
+                                                               engine: FakeEngine) -> None:
+    """A refusal before anything was sent is a plain 400; an engine that dies mid-stream ends
+    it with a numbered response.failed event (a 503 in its error), and no [DONE]."""
+    engine.error_prompt_len = 2
+    for stream in (False, True):
+        resp = await stateless.post("/v1/responses", json={"input": "Hello world",
+                                                           "stream": stream})
+        assert resp.status == 400 and "can never fit" in (await resp.json())["error"]["message"]
+    engine.error_prompt_len = None
+    engine.step_delay = 0.02
+    resp = await stateless.post("/v1/responses", json={"input": "a", "max_output_tokens": 200,
+                                                       "stream": True})
+    assert (await resp.content.readline()) == b"event: response.created\n"
+    engine.stop()
+    body = "event: response.created\n" + await asyncio.wait_for(resp.text(), 2)
+    blocks = body.strip().split("\n\n")
+    events = [json.loads(block.split("\n")[1].removeprefix("data: ")) for block in blocks]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert blocks[-1].startswith("event: response.failed\n")
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "503"
 
 
 async def test_input_items_render_as_their_chat_messages(stateless: Client,
