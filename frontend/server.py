@@ -63,7 +63,7 @@ from frontend.openai.serving.served_model import (
 )
 from frontend.openai.tokens.endpoint import ServingTokens
 from frontend.options import add_frontend_args, check_frontend_args
-from frontend.text.tokenizer import load_tokenizer
+from frontend.text.tokenizer_loader import load_tokenizer
 from shared.argv import ConfigFileError, normalize
 from shared.curve import ClientKeys, CurveKeyError, client_keys
 from shared.memory import MemoryTrimmer

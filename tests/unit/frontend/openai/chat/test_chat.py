@@ -14,7 +14,7 @@ from frontend.errors import OpenAIError
 from frontend.openai.protocol.chat import ChatMessage
 from frontend.openai.serving.served_model import render_chat
 from frontend.server import init_app
-from frontend.text.tokenizer import load_tokenizer
+from frontend.text.tokenizer_loader import load_tokenizer
 from shared.messages import read_ints
 from tests.unit.fake_engine import (
     BOS,

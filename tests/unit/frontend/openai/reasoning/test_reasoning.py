@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestClient
 
 from frontend.options import add_frontend_args, frontend_argv
 from frontend.server import init_app, parse_args
-from frontend.text.tokenizer import load_tokenizer
+from frontend.text.tokenizer_loader import load_tokenizer
 from shared.argv import normalize
 from shared.messages import read_ints
 from tests.unit.fake_engine import (
