@@ -92,7 +92,7 @@ class FrontendConfig:
     ready_file: str | None = None  # touched once listening (the launcher waits for it)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     tool_call_parser: str | None = None  # "hermes" | "llama3_json"
-    reasoning_parser: str | None = None  # "deepseek_r1" | "qwen3": answers split (reasoning.py)
+    reasoning_parser: str | None = None  # "deepseek_r1" | "qwen3": split (openai/reasoning/)
     reasoning_field_alias: str | None = None  # "reasoning_content": sent too
     responses_store_size: int = 0  # /v1/responses kept for previous_response_id (0: none)
     chat_template: str | None = None  # instead of the tokenizer's (the template itself)

@@ -7,9 +7,9 @@ module only shapes the answer: messages, role/content deltas, and OpenAI's chat 
 from the generated tokens each delta releases, so that every token carries its real bytes. The
 token that ended a choice (EOS or a stop_token_ids token) is not message content and gets no
 logprobs entry unless include_stop_str_in_output put its text in the message. Rendering and
-planning are `chat_plan.plan_chat`, which the Responses API shares. With a reasoning parser each
-choice's text is split first (`reasoning.py`): `reasoning` / `delta.reasoning` get the thinking,
-and everything else here (content, tool calls) reads only the answer.
+planning are `serving.chat_plan.plan_chat`, which the Responses API shares. With a reasoning
+parser each choice's text is split first (`reasoning/`): `reasoning` / `delta.reasoning` get
+the thinking, and everything else here (content, tool calls) reads only the answer.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ class ServingChat:
 class ContentChunks:
     """The common chat chunk, a delta's content alone (no role, logprobs, finish or usage), from
     parts encoded once per request; exactly msgspec's encoding of the ChatCompletionChunk the
-    same delta makes (the field order of protocol_chat.py)."""
+    same delta makes (the field order of protocol/chat.py)."""
 
     _TAIL = (b'},"logprobs":null,"finish_reason":null,"stop_reason":null}],"usage":null,'
              b'"object":"chat.completion.chunk"}')

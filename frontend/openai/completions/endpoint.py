@@ -1,7 +1,8 @@
 """POST /v1/completions: decode, plan, run one engine request per choice, answer.
 
 Each choice has its own ChoiceProcessor; the non-streaming answer is built from the very deltas
-a stream would send (`to_choice`), so both agree exactly: the text-offset contract of DESIGN.md.
+a stream would send (`to_choice`), so both agree exactly: the text-offset contract of
+docs/architecture.md (Contracts).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class ChunkTemplate:
         self._encode = msgspec.json.Encoder().encode
 
     def chunks_of(self, index: int, delta: ChoiceDelta) -> list[bytes]:
-        """The chunk of a delta that is not empty, without usage (`serving.ChunksOf`)."""
+        """The chunk of a delta that is not empty, without usage (`serving.choices.ChunksOf`)."""
         if delta.finish_reason is None and not self._with_logprobs:  # the common chunk
             if not delta.text:
                 return []

@@ -11,7 +11,7 @@ what was produced, not on how it was cut, but for how the deltas are grouped: th
 equal the items.
 
 The reasoning parser reads the text first; tool calls are read from the content alone: the
-tool plan's extractor (`tool_parsers.py`) turns it into content, call starts and argument
+tool plan's extractor (`tools/parsers.py`) turns it into content, call starts and argument
 fragments. Without tools, all content is message text.
 """
 
