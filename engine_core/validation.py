@@ -5,7 +5,8 @@ socket is reachable by anything that speaks msgpack (a frontend of another versi
 stranger on a tcp:// port). A value the sampler cannot handle (a NaN temperature, a stop token
 id of -1e9, a prompt buffer that is not whole int32s) would raise inside `step()` and take
 every running request with it. So each wire request is checked here with the frontend's own
-limits (frontend/openai/protocol.py, plan.py), and a bad one is refused with an error row.
+limits (frontend/openai/protocol/base.py, serving/plan.py), and a bad one is refused with an
+error row.
 
 Pure functions: `prompt_ids` reads the prompt buffer, `params_error` checks the sampling values;
 each returns the message a user can act on, or None.

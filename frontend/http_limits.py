@@ -10,7 +10,7 @@ memory or a stream's engine requests.
   connection or from the previous answer (aiohttp's keep-alive timer, which also closes
   connections left idle that long), and then that long again for its body (a 408).
 - `write_timeout`: a stream whose client takes nothing for that long is closed and its engine
-  requests are aborted (`frontend.openai.sse.SSEWriter`).
+  requests are aborted (`frontend.openai.serving.sse.SSEWriter`).
 """
 
 from __future__ import annotations

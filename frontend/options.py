@@ -12,8 +12,8 @@ import argparse
 import json
 from typing import Any
 
-from frontend.openai.reasoning import FIELD_ALIASES, REASONING_PARSERS
-from frontend.openai.tool_parsers import AUTO_PARSERS
+from frontend.openai.reasoning.outputs import FIELD_ALIASES, REASONING_PARSERS
+from frontend.openai.tools.parsers import AUTO_PARSERS
 
 TOOL_CALL_PARSERS = tuple(AUTO_PARSERS)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

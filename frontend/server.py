@@ -42,28 +42,28 @@ from frontend.errors import Handler, OpenAIError, bad_request, error_middleware
 from frontend.http_limits import HTTP_LIMITS, HttpLimits, body_limit, body_middleware
 from frontend.memory import settle_gc
 from frontend.metrics import CONTENT_TYPE, render
-from frontend.openai.chat import ServingChat
-from frontend.openai.completions import ServingCompletions
-from frontend.openai.plan import REQUEST_LOG
-from frontend.openai.protocol import ModelList
-from frontend.openai.reasoning import ReasoningConfig
-from frontend.openai.responses import ServingResponses
-from frontend.openai.responses_store import ResponseStore
-from frontend.openai.served_model import (
-    ServedModel,
-    read_chat_template,
-    template_reads_tools,
-    use_chat_template,
-)
-from frontend.openai.serving import (
+from frontend.openai.chat.endpoint import ServingChat
+from frontend.openai.completions.endpoint import ServingCompletions
+from frontend.openai.protocol.base import ModelList
+from frontend.openai.reasoning.outputs import ReasoningConfig
+from frontend.openai.responses.endpoint import ServingResponses
+from frontend.openai.responses.store import ResponseStore
+from frontend.openai.serving.choices import (
     RETRY_AFTER_S,
     STREAMING,
     StreamingOptions,
     json_response,
 )
-from frontend.openai.tokens import ServingTokens
+from frontend.openai.serving.plan import REQUEST_LOG
+from frontend.openai.serving.served_model import (
+    ServedModel,
+    read_chat_template,
+    template_reads_tools,
+    use_chat_template,
+)
+from frontend.openai.tokens.endpoint import ServingTokens
 from frontend.options import add_frontend_args, check_frontend_args
-from frontend.text.tokenizer import load_tokenizer
+from frontend.text.tokenizer_loader import load_tokenizer
 from shared.argv import ConfigFileError, normalize
 from shared.curve import ClientKeys, CurveKeyError, client_keys
 from shared.memory import MemoryTrimmer
@@ -92,7 +92,7 @@ class FrontendConfig:
     ready_file: str | None = None  # touched once listening (the launcher waits for it)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     tool_call_parser: str | None = None  # "hermes" | "llama3_json"
-    reasoning_parser: str | None = None  # "deepseek_r1" | "qwen3": answers split (reasoning.py)
+    reasoning_parser: str | None = None  # "deepseek_r1" | "qwen3": split (openai/reasoning/)
     reasoning_field_alias: str | None = None  # "reasoning_content": sent too
     responses_store_size: int = 0  # /v1/responses kept for previous_response_id (0: none)
     chat_template: str | None = None  # instead of the tokenizer's (the template itself)

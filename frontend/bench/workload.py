@@ -37,7 +37,7 @@ class RampUp(NamedTuple):
 
 def load_tokenizer(name_or_path: str) -> Any:
     """The tokenizer of a folder or hub id, with a message the user can act on when it fails."""
-    from frontend.text.tokenizer import load_tokenizer as load
+    from frontend.text.tokenizer_loader import load_tokenizer as load
 
     try:
         return load(name_or_path)

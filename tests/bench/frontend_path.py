@@ -103,8 +103,12 @@ async def one_round(served: Any, bodies: list[bytes], steps: int, echo: bool,
     """(µs per request to read and plan, µs per streamed token through the stream path)."""
     from frontend.engine.client import EngineClient
     from frontend.memory import settle_gc
-    from frontend.openai.completions import ChunkTemplate, ServingCompletions
-    from frontend.openai.serving import ChoiceRun, EventPump
+    try:
+        from frontend.openai.completions.endpoint import ChunkTemplate, ServingCompletions
+        from frontend.openai.serving.choices import ChoiceRun, EventPump
+    except ImportError:  # a checkout before frontend/openai/ had packages
+        from frontend.openai.completions import ChunkTemplate, ServingCompletions  # type: ignore
+        from frontend.openai.serving import ChoiceRun, EventPump  # type: ignore
 
     client = EngineClient("tcp://127.0.0.1:9")  # never connected: nothing is sent
     client._healthy = True
@@ -153,7 +157,10 @@ def main() -> int:
     sys.path.insert(0, str(args.repo.resolve()))
     from engine_core.worker.default_model import ensure_model
     from frontend.bench.workload import load_tokenizer
-    from frontend.openai.served_model import ServedModel
+    try:
+        from frontend.openai.serving.served_model import ServedModel
+    except ImportError:  # a checkout before frontend/openai/ had packages
+        from frontend.openai.served_model import ServedModel  # type: ignore
 
     tokenizer = load_tokenizer(str(ensure_model()))
     served = ServedModel(tokenizer, "m", 8192, len(tokenizer))

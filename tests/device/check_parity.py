@@ -1,8 +1,9 @@
 """The model build, and greedy parity of the engine against Hugging Face on the same device.
 
-fp32: tokens equal to `generate()`'s, logprobs within 1e-4 (DESIGN.md). bf16, vLLM's rule: the
-reference re-scores the engine's own tokens (teacher forcing, so one near-tie flip does not
-cascade), and every engine token must be in the reference's top-5 with a logprob gap < 0.1.
+fp32: tokens equal to `generate()`'s, logprobs within 1e-4 (docs/architecture.md). bf16,
+vLLM's rule: the reference re-scores the engine's own tokens (teacher forcing, so one near-tie
+flip does not cascade), and every engine token must be in the reference's top-5 with a logprob
+gap < 0.1.
 The prompts are the engine tests' mixed short ones plus a few longer than the step budget
 (chunked prefill), all in one batch.
 """

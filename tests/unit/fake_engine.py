@@ -71,7 +71,7 @@ def tokenizer_folder() -> str:
 @lru_cache(maxsize=4)
 def cached_tokenizer(path: str) -> Any:
     """The frontend's own tokenizer loader, loading each folder once per session."""
-    from frontend.text.tokenizer import load_tokenizer
+    from frontend.text.tokenizer_loader import load_tokenizer
 
     return load_tokenizer(path)
 

@@ -11,7 +11,7 @@ import pytest
 
 from engine_core.worker.default_model import DEFAULT, TINY_QWEN2, TinySpec, write_tokenizer
 from frontend.server import init_app
-from frontend.text.tokenizer import load_tokenizer
+from frontend.text.tokenizer_loader import load_tokenizer
 from tests.unit.fake_engine import FakeEngine, cached_tokenizer, frontend_config
 
 

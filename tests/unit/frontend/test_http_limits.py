@@ -17,8 +17,8 @@ from aiohttp.test_utils import TestClient
 
 from frontend.engine.client import EngineOverloadedError
 from frontend.http_limits import MIN_BODY_BYTES, body_limit
-from frontend.openai.serving import engine_error
-from frontend.openai.sse import SSEWriter
+from frontend.openai.serving.choices import engine_error
+from frontend.openai.serving.sse import SSEWriter
 from frontend.options import add_frontend_args, frontend_argv
 from frontend.server import parse_args, runner_options
 from tests.unit.fake_engine import (

@@ -19,7 +19,8 @@ from transformers import AutoTokenizer
 
 from engine_core.worker.default_model import DEFAULT, TINY_QWEN2, TinySpec, write_tokenizer
 from frontend.text.chat_template import compile_template, pick_template, render_chat_template
-from frontend.text.tokenizer import FastTokenizer, load_tokenizer
+from frontend.text.tokenizer import FastTokenizer
+from frontend.text.tokenizer_loader import load_tokenizer
 
 SPECS: dict[str, TinySpec] = {"llama3": DEFAULT, "qwen2": TINY_QWEN2}
 

@@ -1,7 +1,8 @@
 """ChoiceProcessor: synthetic engine outputs (real token ids, fake logprobs) in, deltas out.
 
-`full` is the concatenation of a choice's delta texts; the checks are DESIGN.md's text-offset
-contract, decode equality, and stream == non-stream (merging deltas, however steps are grouped).
+`full` is the concatenation of a choice's delta texts; the checks are the text-offset contract
+of docs/architecture.md, decode equality, and stream == non-stream (merging deltas, however
+steps are grouped).
 """
 
 from __future__ import annotations
@@ -122,8 +123,9 @@ def assert_offsets_contract(
     skip: Sequence[str] = (),
     cut: bool = False,
 ) -> None:
-    """DESIGN.md's text offsets: non-decreasing indexes into `full`, 0 first with echo, and a
-    token that decodes alone starts where its offset says (or is cut at the very end)."""
+    """The text offsets (docs/architecture.md): non-decreasing indexes into `full`, 0 first
+    with echo, and a token that decodes alone starts where its offset says (or is cut at the
+    very end)."""
     assert len(tokens) == len(offsets)
     assert list(offsets) == sorted(offsets)
     assert all(0 <= o <= len(full) for o in offsets)

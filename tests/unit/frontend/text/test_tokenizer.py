@@ -24,7 +24,8 @@ from transformers import AutoTokenizer
 
 from engine_core.worker.default_model import DEFAULT, TINY_QWEN2, TinySpec, write_tokenizer
 from frontend.text.logprob_text import BYTE_TO_UNICODE
-from frontend.text.tokenizer import FastTokenizer, load_tokenizer
+from frontend.text.tokenizer import FastTokenizer
+from frontend.text.tokenizer_loader import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SPECS: dict[str, TinySpec] = {"llama3": DEFAULT, "qwen2": TINY_QWEN2}
@@ -540,9 +541,10 @@ def _run_python(code: str, env: dict[str, str] | None = None) -> str:
 
 _NO_HEAVY_IMPORTS = """
 import sys
-import frontend.text.tokenizer, frontend.text.chat_template
+import frontend.text.tokenizer, frontend.text.tokenizer_loader, frontend.text.chat_template
 from frontend.text.logprob_text import BYTE_TO_UNICODE
-from frontend.text.tokenizer import FastTokenizer, load_tokenizer
+from frontend.text.tokenizer import FastTokenizer
+from frontend.text.tokenizer_loader import load_tokenizer
 tok = load_tokenizer(NAME)
 assert isinstance(tok, FastTokenizer), type(tok)
 ids = tok.encode("hello world")
@@ -591,7 +593,7 @@ def test_hub_id_offline_and_not_cached_raises_without_transformers(tmp_path: Pat
     code = """
 import sys
 from huggingface_hub.errors import LocalEntryNotFoundError
-from frontend.text.tokenizer import load_tokenizer
+from frontend.text.tokenizer_loader import load_tokenizer
 try:
     load_tokenizer("tandem/not-cached")
 except LocalEntryNotFoundError:
