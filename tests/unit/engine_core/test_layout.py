@@ -1,8 +1,9 @@
 """The engine's packages and their import order (docs/architecture.md): read from the source.
 
-Layers, bottom up: `layers/` and `structured/` (import nothing else of the engine), `sched/`,
-`sample/`, `worker/`, then the root's step pipeline and process. A module imports only its own
+Layers, bottom up: `layers/` and `structured/` (import nothing else of the engine), `sample/`,
+`sched/`, `worker/`, then the root's step pipeline and process. A module imports only its own
 package, packages below it, and the root's `config` (a leaf that imports nothing); no circle.
+Sampling reads one `SamplingBatch`, never the scheduler: `sample/` imports nothing of `sched/`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import engine_core
 
 ROOT = Path(engine_core.__file__).parent
-RANK = {"layers": 0, "structured": 0, "sched": 1, "sample": 2, "worker": 3, "": 4}
+RANK = {"layers": 0, "structured": 0, "sample": 1, "sched": 2, "worker": 3, "": 4}
 LEAF = "engine_core.config"
 
 
@@ -63,6 +64,13 @@ def test_no_package_imports_one_above_it() -> None:
              if t != LEAF and _package(t) != _package(m)
              and RANK[_package(t)] >= RANK[_package(m)]]
     assert not wrong, wrong
+
+
+def test_sampling_imports_nothing_of_the_scheduler() -> None:
+    wrong = [(m, t) for m, targets in engine_imports().items() for t in targets
+             if _package(m) == "sample" and _package(t) == "sched"]
+    assert not wrong, wrong
+    assert RANK["sample"] < RANK["sched"]
 
 
 def test_the_config_leaf_imports_nothing_of_the_engine() -> None:
