@@ -136,10 +136,29 @@ def _head(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, HIDDEN, generator=g) * SCALE, torch.randn(VOCAB, HIDDEN, generator=g)
 
 
-def _samplers(weight: torch.Tensor) -> dict[str, TokenSampler]:
+class _OnDevice:
+    """A sampler given its hidden states where its weights are."""
+
+    def __init__(self, sampler: TokenSampler, device: torch.device) -> None:
+        self.sampler, self.device = sampler, device
+
+    def __call__(self, hidden: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        return self.sampler(hidden.to(self.device), batch)
+
+
+def _samplers(weight: torch.Tensor) -> dict[str, _OnDevice]:
+    """The CPU sampler on the engine's LM-head backend, the device sampler on the CPU, and
+    where torch sees a GPU, the device sampler on it (so that a run there checks CUDA too)."""
+    cpu = torch.device("cpu")
     head = LMHead(weight, chunk=BLOCK, workers=2, kernels=engine_kernels())
-    link = HostLink(torch.device("cpu"), pinned=False, synchronize=lambda: None)
-    return {"cpu": Sampler(head), "device": DeviceSampler(HeadWeights(weight), link)}
+    link = HostLink(cpu, pinned=False, synchronize=lambda: None)
+    samplers = {"cpu": _OnDevice(Sampler(head), cpu),
+                "device": _OnDevice(DeviceSampler(HeadWeights(weight), link), cpu)}
+    if torch.cuda.is_available():
+        gpu = torch.device("cuda")
+        link = HostLink(gpu, pinned=True, synchronize=torch.cuda.synchronize)
+        samplers["cuda"] = _OnDevice(DeviceSampler(HeadWeights(weight.to(gpu)), link), gpu)
+    return samplers
 
 
 def _requests(rows: list[RefRow]) -> list[Request]:
@@ -160,7 +179,7 @@ def _run(rows: list[RefRow], hidden: torch.Tensor, weight: torch.Tensor, eos: li
         batch = batch_of(_requests(rows), VOCAB, seed=7, eos=eos)
         batches.append(batch)
         outputs[name] = sampler(hidden, batch)
-    assert np.array_equal(batches[0].uniform, batches[1].uniform)
+    assert all(np.array_equal(batches[0].uniform, b.uniform) for b in batches)
     return outputs, batches[0]
 
 
@@ -193,9 +212,10 @@ def test_both_samplers_are_the_reference(case: str) -> None:
     ref = reference(raw, rows, batch.uniform, eos)
     fragile = ref.fragile
     assert fragile.sum() <= ROWS // 6, (case, np.flatnonzero(fragile))
-    cpu, dev = outputs["cpu"].token_ids, outputs["device"].token_ids
-    assert cpu[~fragile].tolist() == dev[~fragile].tolist(), case
+    cpu = outputs["cpu"].token_ids
     assert cpu[~fragile].tolist() == ref.tokens[~fragile].tolist(), case
+    for name, out in outputs.items():
+        assert out.token_ids[~fragile].tolist() == cpu[~fragile].tolist(), (case, name)
     lps = torch.log_softmax(raw, -1)
     for out in outputs.values():
         _check_logprobs(out, ref, rows, lps)
