@@ -1,6 +1,7 @@
 """EngineCore: requests in, one step at a time, columnar outputs out. No I/O here.
 
-`step()` is the pipeline: schedule -> run the model -> sample -> update request states (the
+`step()` is the pipeline: schedule -> run the model -> sample (the step's `SamplingBatch`, built
+here from the requests that sample, is the sampler's only input) -> update request states (the
 scheduler) -> pack outputs. The process wrapper (engine_core/process.py) feeds it from
 sockets; tests and the benchmark drive it in-process.
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import operator
 from typing import NamedTuple
 
 import msgspec
@@ -27,9 +27,12 @@ import torch
 
 from engine_core.config import EngineConfig
 from engine_core.outputs import StepNews
+from engine_core.sample.batch_builder import build_sampling_batch
 from engine_core.sample.device_sampler import DeviceSampler
-from engine_core.sample.prompt_logprobs import PromptLogprobsAccumulator
-from engine_core.sample.sampler import PendingSample, Sampler, SamplerOutput
+from engine_core.sample.interface import PendingSample, SamplerOutput, TokenSampler
+from engine_core.sample.prompt_logprobs import PromptChunk, PromptLogprobsAccumulator
+from engine_core.sample.sampler import Sampler
+from engine_core.sample.sampling_batch import SamplingBatch
 from engine_core.sched.block_manager import BlockManager
 from engine_core.sched.request import Request, Status
 from engine_core.sched.scheduler import Scheduler, SchedulerOutput
@@ -51,7 +54,6 @@ from shared.step_outputs import Logprobs
 
 log = logging.getLogger(__name__)
 
-_EXTRAS = operator.attrgetter("sampling_extras")  # (a grammar or penalties among them)
 _GRAMMAR_WAIT_S = 0.005  # an idle step's wait for a compiling grammar: short, new input may come
 
 
@@ -60,10 +62,10 @@ class _Launched(NamedTuple):
 
     sched: SchedulerOutput
     samplers: list[Request]
+    batch: SamplingBatch  # what the sampler read, a row per request of `samplers`
     rows: StepRows  # where its requests are in the runner's block table
     sampled: PendingSample
     prompt_logprobs: dict[str, Logprobs]
-    blocks_next: bool  # the next step needs its tokens on the host first
 
 
 class _Refusal(NamedTuple):
@@ -97,10 +99,10 @@ class EngineCore:
                                    self.platform.max_num_batched_tokens,
                                    min_num_batched_tokens=self.platform.min_num_batched_tokens,
                                    stop_rules=stop_rules, grammars=self.grammars)
-        self.sampler: Sampler | DeviceSampler = (
-            DeviceSampler(self.facts.eos_token_ids, config.seed, self.runner.head_weights,
-                          self.platform.host_link())
-            if self.platform.device_sampling else Sampler(self.facts.eos_token_ids, config.seed))
+        self.sampler: TokenSampler = (
+            DeviceSampler(self.runner.head_weights, self.platform.host_link())
+            if self.platform.device_sampling else Sampler(self.runner.head))
+        self.generator = torch.Generator().manual_seed(config.seed)  # unseeded requests' draws
         self.prompt_logprobs = PromptLogprobsAccumulator()
         self.async_scheduling = self.platform.async_scheduling
         self._inflight: _Launched | None = None  # an overlapped step not completed yet
@@ -179,7 +181,7 @@ class EngineCore:
         sched: SchedulerOutput | None = None
         news = StepNews()
         try:
-            if inflight is not None and inflight.blocks_next:
+            if inflight is not None and inflight.batch.reads_outputs:
                 self._complete(inflight, news)  # nothing else this call: the next one schedules
                 inflight = None
             else:
@@ -202,7 +204,7 @@ class EngineCore:
             # completed before the failure keeps its news; one that was not loses its tokens.
             if sched is not None:
                 victims = list(sched.requests)
-            elif inflight is not None and inflight.blocks_next:
+            elif inflight is not None and inflight.batch.reads_outputs:
                 victims = []  # completing it failed: only its own requests
             else:
                 victims = list(self.scheduler.requests.values())
@@ -236,17 +238,16 @@ class EngineCore:
             hidden, rows = self.runner.execute(
                 sched, plan.keep, previous.sampled.tokens if previous is not None else None)
             samplers = sched.samplers()
-            sampled = self._sample(samplers, hidden[plan.num_prompt_rows:])
-            prompt_lps = (self.prompt_logprobs.score_step(self.runner.head, sched.scheduled,
-                                                          plan.prompt_rows, hidden)
-                          if plan.prompt_rows else {})
-        blocks_next = any(map(_EXTRAS, samplers)) and any(
-            r.grammar is not None or r.reads_history for r in samplers)
-        if blocks_next and self.async_scheduling and not self._said_blocking:
+            batch = build_sampling_batch(samplers, self.sampler.vocab, self.facts.eos_token_ids,
+                                         self.generator)
+            sampled = self._sample(batch, hidden[plan.num_prompt_rows:])
+            prompt_lps = (self.prompt_logprobs.score_step(self.runner.head, plan.prompts, hidden)
+                          if plan.prompts else {})
+        if batch.reads_outputs and self.async_scheduling and not self._said_blocking:
             self._said_blocking = True  # e.g. a model whose defaults set repetition_penalty
             log.info("a step with a grammar or a penalty over the output: the next step waits "
                      "for its tokens (no overlap for such steps)")
-        return _Launched(sched, samplers, rows, sampled, prompt_lps, blocks_next)
+        return _Launched(sched, samplers, batch, rows, sampled, prompt_lps)
 
     def _record(self, step: _Launched, placeholders: bool) -> None:
         """The step's progress in the scheduler, its tokens as placeholders if still queued."""
@@ -262,15 +263,15 @@ class EngineCore:
                  if self.async_scheduling else None)
         finished = self.scheduler.resolve(step.sched, sampled.token_ids)
         self.runner.note_sampled(step.rows, sampled.token_ids)
-        _add_sampled(news, step.samplers, sampled, finished, alive)
+        _add_sampled(news, step.samplers, step.batch, sampled, finished, alive)
         _add_prompt_only(news, step.sched, finished)
         _attach_prompt_logprobs(news, step.prompt_logprobs)
 
-    def _sample(self, samplers: list[Request], hidden: torch.Tensor) -> PendingSample:
-        if not samplers:
+    def _sample(self, batch: SamplingBatch, hidden: torch.Tensor) -> PendingSample:
+        if not batch.num_rows:
             return PendingSample.done(SamplerOutput(np.zeros(0, np.int64),
                                                     np.zeros(0, np.int64), None))
-        return self.sampler.sample_later(self.runner.head, hidden, samplers)
+        return self.sampler.sample_later(hidden, batch)
 
     def _structured_news(self, news: StepNews, idle: bool) -> None:
         """Refuse the requests whose grammar failed to compile (the compiler says why); with
@@ -319,12 +320,12 @@ class EngineCore:
 
 
 class _RowPlan(NamedTuple):
-    """Which rows of the packed batch need hidden states: every prompt-logprob row first (per
-    scheduled item, [lo, hi) in `prompt_rows`; empty when no prompt is scored), then one row
-    per sampling request, in order."""
+    """Which rows of the packed batch need hidden states: every prompt-logprob row first (a
+    `PromptChunk` per item whose prompt is scored; none when no prompt is), then one row per
+    sampling request, in order."""
 
     keep: np.ndarray
-    prompt_rows: list[tuple[int, int]]
+    prompts: list[PromptChunk]
     num_prompt_rows: int
 
 
@@ -334,16 +335,20 @@ def _plan_rows(sched: SchedulerOutput) -> _RowPlan:
     if not sched.scores_prompts:
         return _RowPlan(ends[samples] - 1, [], 0)
     prompt_keep: list[int] = []
-    prompt_rows = []
+    prompts = []
     for s, end in zip(sched.scheduled, ends.tolist()):
         req, offset = s.request, end - s.num_new
+        if req.prompt_logprobs_done:
+            continue
         lo = len(prompt_keep)
-        if not req.prompt_logprobs_done:
-            last = min(s.start + s.num_new, req.num_prompt_tokens - 1)
-            prompt_keep.extend(range(offset, offset + max(0, last - s.start)))
-        prompt_rows.append((lo, len(prompt_keep)))
+        n = max(0, min(s.start + s.num_new, req.num_prompt_tokens - 1) - s.start)
+        prompt_keep.extend(range(offset, offset + n))
+        # the logits at position p score prompt token p + 1
+        targets = req.prompt_token_ids[s.start + 1:s.start + 1 + n]
+        prompts.append(PromptChunk(req.request_id, lo, lo + n, targets,
+                                   req.params.prompt_logprobs or 0, s.completes_prompt))
     keep = np.concatenate([np.asarray(prompt_keep, dtype=np.int64), ends[samples] - 1])
-    return _RowPlan(keep, prompt_rows, len(prompt_keep))
+    return _RowPlan(keep, prompts, len(prompt_keep))
 
 
 def _add_refusals(news: StepNews, refused: list[_Refusal]) -> None:
@@ -351,8 +356,9 @@ def _add_refusals(news: StepNews, refused: list[_Refusal]) -> None:
         news.add_finish(r.request_id, r.owner, r.reason, message=r.message)
 
 
-def _add_sampled(news: StepNews, samplers: list[Request], sampled: SamplerOutput,
-                 finished: dict[str, Stop], alive: list[bool] | None) -> None:
+def _add_sampled(news: StepNews, samplers: list[Request], batch: SamplingBatch,
+                 sampled: SamplerOutput, finished: dict[str, Stop],
+                 alive: list[bool] | None) -> None:
     """A row per request that sampled, with its logprobs row (if it asked) and its finish;
     none for a request finished before its token came (`alive` False; None: all alive)."""
     if not samplers:
@@ -363,7 +369,7 @@ def _add_sampled(news: StepNews, samplers: list[Request], sampled: SamplerOutput
     asked = sampled.logprob_rows  # the rows whose request asked for logprobs
     if len(asked):
         lp_rows[asked] = np.arange(len(asked))
-        lp_k[asked] = [samplers[i].logprobs_k for i in asked.tolist()]
+        lp_k[asked] = batch.logprob_k
     tokens = sampled.token_ids
     if alive is not None and not all(alive):
         keep = np.flatnonzero(np.asarray(alive))

@@ -20,13 +20,15 @@ row drawn again. The scan's logits are never masked in place: logprobs stay the 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from engine_core.layers.host_link import HostLink
 from engine_core.layers.lm_head import Scan
-from engine_core.sched.request import Request
+from engine_core.sample.logits_ops import DrawArgs, draw_from_blocks, draw_plain, pick
+from engine_core.sample.sampling_batch import SamplingBatch
 from engine_core.structured.grammar import RequestGrammar
 from engine_core.structured.masks import AllowedIds, TokenMasker, allows, apply_bitmask, read_masks
 
@@ -39,25 +41,6 @@ _RETRIES = 8
 _BROAD = 0.25
 
 
-class Draws(Protocol):
-    """The sampler's draws (engine_core/sample/sampler.py), each request's seed respected."""
-
-    def draw_from_blocks(self, scan: Scan, block_sums: torch.Tensor, rows: torch.Tensor,
-                         temps: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        """A token for `rows` of the scan from their block sums, at temperatures `temps`."""
-        ...
-
-    def draw_processed(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        """A token per row of `logits` (-inf where not allowed): argmax, or a draw from
-        softmax(logits / T) after the request's truncation."""
-        ...
-
-    def draw_plain(self, vals: np.ndarray, reqs: Sequence[Request]) -> np.ndarray:
-        """A column per row of `vals` (-inf where not allowed) for requests with nothing to
-        process or truncate: argmax, or a draw from softmax(vals / T)."""
-        ...
-
-
 class FastDraws(NamedTuple):
     """The fast path's sampled rows (scan rows, in the order of the scan's block sums) and their
     temperatures."""
@@ -68,67 +51,68 @@ class FastDraws(NamedTuple):
 
 class ConstrainedSampler:
     """The grammar work of a step: offering tokens to matchers, filling masks, masked draws.
-    A step's masks are filled in one bitmask with a row per constrained row that needs one (the
-    fast path's refused rows, then the general path's), so `masks[j]` is the mask of the j-th of
-    the rows a function is given."""
+    Rows are the batch's. A step's masks are filled in one bitmask with a row per constrained
+    row that needs one (the fast path's refused rows, then the general path's), so `masks[j]`
+    is the mask of the j-th of the rows a function is given."""
 
-    def __init__(self, draws: Draws) -> None:
-        self._draws = draws
+    def __init__(self, link: HostLink) -> None:
+        self._link = link  # the CPU's
         self._masker = TokenMasker()
 
-    def constrain(self, scan: Scan, tokens: torch.Tensor, reqs: Sequence[Request],
+    def constrain(self, scan: Scan, tokens: torch.Tensor, batch: SamplingBatch,
                   fast: Sequence[int], general: Sequence[int],
                   sampled: FastDraws) -> torch.Tensor | None:
         """Make `tokens` of the constrained fast-path rows `fast` (their argmax or unconstrained
         draw in) follow their grammars, their matchers advanced. Returns the masks of the
         constrained general-path rows `general` (a row each, in order); None when there are
         none. The masks are filled in one call, for those rows and the fast rows refused."""
-        refused = self._offer(fast, tokens, reqs)
-        masks = self._fill(reqs, refused + list(general), scan.logits.shape[1])
+        refused = self._offer(fast, tokens, batch)
+        masks = self._fill(batch, refused + list(general), scan.logits.shape[1])
         if refused:
             assert masks is not None
-            self._redraw(scan, masks[:len(refused)], refused, tokens, reqs, sampled)
+            self._redraw(scan, masks[:len(refused)], refused, tokens, batch, sampled)
         return masks[len(refused):] if general and masks is not None else None
 
     @staticmethod
-    def mask_general(logits: torch.Tensor, reqs: Sequence[Request],
+    def mask_general(logits: torch.Tensor, batch: SamplingBatch, rows: np.ndarray,
                      masks: torch.Tensor) -> None:
         """Apply the constrained rows' `masks` (in order) to general-path `logits` (a row per
-        request of `reqs`), before anything else touches them."""
-        rows = torch.tensor([i for i, r in enumerate(reqs) if r.masked],
-                            dtype=torch.int64)
-        masked = logits[rows]
+        batch row of `rows`), before anything else touches them."""
+        at = torch.tensor([j for j, i in enumerate(rows.tolist()) if i in batch.grammars],
+                          dtype=torch.int64)
+        masked = logits[at]
         apply_bitmask(masked, masks)
-        logits[rows] = masked
+        logits[at] = masked
 
-    def advance_general(self, logits: torch.Tensor, reqs: Sequence[Request],
+    def advance_general(self, logits: torch.Tensor, batch: SamplingBatch, rows: np.ndarray,
                         tokens: torch.Tensor) -> None:
         """Advance the constrained general-path rows' matchers past `tokens` (drawn from the
-        processed, masked `logits`), drawing again where a matcher refuses."""
-        for i, req in enumerate(reqs):
-            if req.masked:
-                tokens[i] = self._advance(logits[i:i + 1], req, int(tokens[i]))
+        processed, masked `logits`, a row per batch row of `rows`), drawing again where a
+        matcher refuses."""
+        for j, i in enumerate(rows.tolist()):
+            if i in batch.grammars:
+                tokens[j] = self._advance(logits[j:j + 1], batch, i, int(tokens[j]))
 
     def _offer(self, rows: Sequence[int], tokens: torch.Tensor,
-               reqs: Sequence[Request]) -> list[int]:
+               batch: SamplingBatch) -> list[int]:
         """Offer `rows`' tokens to their matchers, in one call; the rows whose matcher refused
         (it stays as it was)."""
         if not rows:
             return []
         drawn = tokens.tolist()
-        accepted = self._masker.accept(_grammars(reqs, rows), [drawn[i] for i in rows])
+        accepted = self._masker.accept(_grammars(batch, rows), [drawn[i] for i in rows])
         return [i for i, ok in zip(rows, accepted, strict=True) if not ok]
 
-    def _fill(self, reqs: Sequence[Request], rows: Sequence[int],
+    def _fill(self, batch: SamplingBatch, rows: Sequence[int],
               vocab: int) -> torch.Tensor | None:
         """The masks of the constrained `rows` (a bitmask row each, in order), filled in one
         call; None, and no fill, when `rows` is empty."""
         if not rows:
             return None
-        return self._masker.fill(len(rows), vocab, range(len(rows)), _grammars(reqs, rows))
+        return self._masker.fill(len(rows), vocab, range(len(rows)), _grammars(batch, rows))
 
     def _redraw(self, scan: Scan, masks: torch.Tensor, rows: list[int], tokens: torch.Tensor,
-                reqs: Sequence[Request], sampled: FastDraws) -> None:
+                batch: SamplingBatch, sampled: FastDraws) -> None:
         """New tokens for the fast-path `rows` whose first token the matcher refused, exactly
         under their `masks`, then their matchers advanced. Sampled rows with a broad mask draw
         again while the mask refuses (rejection sampling: the accepted draw follows the masked
@@ -136,18 +120,19 @@ class ConstrainedSampler:
         tries); the rest draw from their masked logits: a broad mask's whole row, masked, a
         narrow one's allowed tokens alone."""
         read = read_masks(masks, scan.logits.shape[1], _BROAD)
-        left = self._retry(scan, masks, rows, read.broad, tokens, reqs, sampled)
+        left = self._retry(scan, masks, rows, read.broad, tokens, batch, sampled)
         for dense in (True, False):
             part = [j for j in left if read.broad[j] == dense]
             if part:
                 picked = [rows[j] for j in part]
                 ids, vals = (_masked_rows(scan.logits, masks[part], picked) if dense else
                              _allowed_logits(scan.logits, read.narrow, part, picked))
-                tokens[picked] = self._draw_masked(ids, vals, [reqs[i] for i in picked])
-        self._advance_masked(scan, masks, rows, tokens, reqs)
+                cols = draw_plain(vals, batch, picked)
+                tokens[picked] = torch.from_numpy(ids[np.arange(len(picked)), cols])
+        self._advance_masked(scan, masks, rows, tokens, batch)
 
     def _retry(self, scan: Scan, masks: torch.Tensor, rows: list[int], broad: list[bool],
-               tokens: torch.Tensor, reqs: Sequence[Request], sampled: FastDraws) -> list[int]:
+               tokens: torch.Tensor, batch: SamplingBatch, sampled: FastDraws) -> list[int]:
         """Draw again from the scan's block sums for the sampled ones of `rows` whose masks are
         `broad`, up to _RETRIES times, keeping the first draw the mask allows; which of `rows`
         (indices into it) are still without one. Whether a row retries depends on its mask
@@ -161,8 +146,8 @@ class ConstrainedSampler:
         for _ in range(_RETRIES):
             scan_rows = [rows[j] for j in again]
             at = torch.tensor([position[i] for i in scan_rows])
-            drawn = self._draws.draw_from_blocks(scan, sums[at], torch.tensor(scan_rows),
-                                                 sampled.temps[at], [reqs[i] for i in scan_rows])
+            drawn = draw_from_blocks(scan, sums[at], torch.tensor(scan_rows), sampled.temps[at],
+                                     batch.more_uniforms(scan_rows))
             tokens[scan_rows] = drawn
             ok = allows(masks, again, drawn.tolist()).tolist()
             again = [j for j, done in zip(again, ok, strict=True) if not done]
@@ -170,44 +155,39 @@ class ConstrainedSampler:
                 break
         return sorted(left + again)
 
-    def _draw_masked(self, ids: np.ndarray, vals: np.ndarray,
-                     reqs: Sequence[Request]) -> torch.Tensor:
-        """Exact tokens for fast-path rows from their candidates `ids` and masked raw logits
-        `vals` (-inf where not allowed): the argmax for a greedy row, else a draw from
-        softmax(vals / T), the masked distribution itself (a row that allows nothing keeps a
-        token its matcher refuses, see _advance_masked)."""
-        cols = self._draws.draw_plain(vals, reqs)
-        return torch.from_numpy(ids[np.arange(len(reqs)), cols])
-
     def _advance_masked(self, scan: Scan, masks: torch.Tensor, rows: list[int],
-                        tokens: torch.Tensor, reqs: Sequence[Request]) -> None:
+                        tokens: torch.Tensor, batch: SamplingBatch) -> None:
         """Advance the matchers of `rows` past their masked tokens, in one call; a token the
         matcher refuses although its mask allowed it is drawn again (_advance)."""
-        accepted = self._masker.accept(_grammars(reqs, rows), tokens[rows].tolist())
+        accepted = self._masker.accept(_grammars(batch, rows), tokens[rows].tolist())
         for j, (i, ok) in enumerate(zip(rows, accepted, strict=True)):
             if not ok:
                 row = scan.logits[i:i + 1].to("cpu", copy=True)
                 apply_bitmask(row, masks[j:j + 1])
                 row[0, tokens[i]] = -float("inf")
-                redrawn = int(self._draws.draw_processed(row, [reqs[i]])[0])
-                tokens[i] = self._advance(row, reqs[i], redrawn)
+                tokens[i] = self._advance(row, batch, i, self._draw_again(row, batch, i))
 
-    def _advance(self, logits: torch.Tensor, req: Request, token: int) -> int:
-        """Advance the request's matcher past its drawn token. The mask may let through a token
+    def _advance(self, logits: torch.Tensor, batch: SamplingBatch, row: int, token: int) -> int:
+        """Advance the row's matcher past its drawn token. The mask may let through a token
         the matcher then refuses (xgrammar over-approximates some tokens that end inside a
         UTF-8 character, e.g. under a regex): ban it and draw again."""
-        assert req.grammar is not None
+        grammar = batch.grammars[row]
         for _ in range(_MAX_REDRAWS):
-            if req.grammar.accept(token):
+            if grammar.accept(token):
                 return token
             logits[0, token] = -float("inf")
-            token = int(self._draws.draw_processed(logits, [req])[0])
-        req.grammar.lost = True  # the scheduler ends the request
+            token = self._draw_again(logits, batch, row)
+        grammar.lost = True  # the scheduler ends the request
         return token
 
+    def _draw_again(self, logits: torch.Tensor, batch: SamplingBatch, row: int) -> int:
+        """A new token for the batch's `row` from its processed `logits` [1, V]."""
+        args = DrawArgs.of(batch, self._link, np.array([row], dtype=np.int64), fresh=True)
+        return int(pick(logits, args)[0])
 
-def _grammars(reqs: Sequence[Request], rows: Sequence[int]) -> list[RequestGrammar]:
-    return [g for g in (reqs[i].grammar for i in rows) if g is not None]
+
+def _grammars(batch: SamplingBatch, rows: Sequence[int]) -> list[RequestGrammar]:
+    return [batch.grammars[i] for i in rows]
 
 
 def _masked_rows(logits: torch.Tensor, masks: torch.Tensor,

@@ -9,17 +9,29 @@ after a preemption its prompt is computed, and scored, again from the start.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from engine_core.layers.lm_head import LMHead
 from engine_core.sample.sampler import token_logprobs
-from engine_core.sched.scheduler import Scheduled
 from shared.step_outputs import Logprobs
 
 # Prompt positions per LM-head scan, so a long echoed prompt never materialises a
 # [prompt_len, vocab] logits tensor at once (how 64 was chosen: docs/benchmarks.md).
 PROMPT_LOGITS_ROWS = 64
+
+
+class PromptChunk(NamedTuple):
+    """A request's prompt positions computed this step: the step's hidden rows [lo, hi) score
+    `targets`, the prompt tokens that follow those positions (a row each)."""
+
+    request_id: str
+    lo: int
+    hi: int
+    targets: Sequence[int]
+    k: int  # top entries asked for
+    completes: bool  # the step completes the prompt: its logprobs are whole
 
 
 class PromptLogprobsAccumulator:
@@ -42,22 +54,16 @@ class PromptLogprobsAccumulator:
         """Forget a request's partial chunks (preempted: it is scored again; or aborted)."""
         self._chunks.pop(request_id, None)
 
-    def score_step(self, head: LMHead, scheduled: Sequence[Scheduled],
-                   prompt_rows: Sequence[tuple[int, int]], hidden: torch.Tensor
+    def score_step(self, head: LMHead, chunks: Sequence[PromptChunk], hidden: torch.Tensor
                    ) -> dict[str, Logprobs]:
-        """Score this step's prompt positions: `hidden[lo:hi]` are scheduled item i's, for
-        (lo, hi) = prompt_rows[i]. Returns the prompts completed by this step, by request id."""
+        """Score this step's prompt positions (`chunks`, rows of `hidden`). Returns the prompts
+        completed by this step, by request id."""
         done: dict[str, Logprobs] = {}
-        for s, (lo, hi) in zip(scheduled, prompt_rows):
-            req = s.request
-            if req.prompt_logprobs_done:
-                continue
-            k = req.params.prompt_logprobs or 0
-            for a in range(lo, hi, PROMPT_LOGITS_ROWS):
-                b = min(hi, a + PROMPT_LOGITS_ROWS)
-                first = s.start + 1 + a - lo  # logits at position p score prompt token p + 1
-                targets = torch.tensor(req.prompt_token_ids[first:first + b - a])
-                self.add(req.request_id, token_logprobs(head, hidden[a:b], targets, k))
-            if s.completes_prompt:
-                done[req.request_id] = self.complete(req.request_id, k)
+        for c in chunks:
+            for a in range(c.lo, c.hi, PROMPT_LOGITS_ROWS):
+                b = min(c.hi, a + PROMPT_LOGITS_ROWS)
+                targets = torch.tensor(c.targets[a - c.lo:b - c.lo])
+                self.add(c.request_id, token_logprobs(head, hidden[a:b], targets, c.k))
+            if c.completes:
+                done[c.request_id] = self.complete(c.request_id, c.k)
         return done

@@ -1,20 +1,27 @@
-"""One step's sampling arguments, read from the requests once, on the host, as arrays.
+"""One step's sampling inputs: `SamplingBatch`, the only thing a sampler reads.
 
-The device sampler (device_sampler.py) decides everything about a step from these arrays
-before it queues a kernel, so no decision waits on the device: which rows sample, which are
-truncated, which logits are biased, banned or penalised. The edits to the logits are sparse
-(row, token, value) triples applied with one indexed op each, in the CPU sampler's order
-(engine_core/sample/sampler.py, `_process_row`): logit bias, the min_tokens ban, the repetition
-penalty, then the frequency and presence penalties.
+The engine builds it once a step from the requests that sample (batch_builder.py); both
+samplers (sampler.py on the LM head's scan, device_sampler.py on the device) read it and
+nothing else. Its rows are those requests, in order, and its columns are host arrays, so that a
+sampler decides everything about a step (which rows draw, which are truncated, which logits
+are edited) before it touches the logits.
 
-Uniform numbers come from the same generators as the CPU sampler's: the engine's for every
-sampled row, in row order, then a seeded request's own generator for its row, so a seeded
-request draws the same numbers whatever shares its batch, on either sampler.
+- Rows and logits rows: row i carries k_i draft tokens (speculative decoding; 0 without) and
+  owns the k_i + 1 consecutive rows of the hidden states and logits from `logits_start[i]`: its
+  drafts' positions, then the one after. Every k is 0 today, and a sampler refuses drafts.
+- Edits of the logits are sparse (row, token, value) triples, applied in this order: logit
+  bias, the min_tokens ban, the repetition penalty, then the frequency and presence penalties;
+  a constrained row's grammar mask comes before all of them (logits_ops.py applies them).
+- Uniform numbers: one per sampled row, drawn when the batch is built: the engine generator's
+  for every sampled row in row order, then a seeded row's own generator's for its row, so a
+  seeded request draws the same numbers whatever shares its batch, on either sampler. A row
+  drawn again (a grammar refused its token) takes `more_uniforms`, from the same generators.
+- Logprobs are asked per row (`logprob_rows`, each with its k); grammars are the handles of the
+  rows a grammar masks this step (`constrained`): matchers to advance, masks to fill.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -22,9 +29,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engine_core.sched.request import Request
+from engine_core.structured.grammar import RequestGrammar
 
-GREEDY_EPS = 1e-5  # below this temperature a row is greedy (as engine_core/sample/sampler.py)
+GREEDY_EPS = 1e-5  # below this temperature a row is greedy
 
 
 class Edits(NamedTuple):
@@ -37,7 +44,7 @@ class Edits(NamedTuple):
     @staticmethod
     def of(rows: list[np.ndarray], ids: list[np.ndarray], values: list[np.ndarray]) -> Edits:
         if not rows:
-            return Edits(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32))
+            return NO_EDITS
         return Edits(np.concatenate(rows).astype(np.int64), np.concatenate(ids).astype(np.int64),
                      np.concatenate(values).astype(np.float32))
 
@@ -45,135 +52,108 @@ class Edits(NamedTuple):
         return len(self.rows) > 0
 
 
-@dataclass(frozen=True)
-class SamplingBatch:
-    """Per-row arguments of one step (rows are the requests, in order)."""
+NO_EDITS = Edits(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32))
 
-    sampled: np.ndarray  # int64 rows that draw (temperature >= GREEDY_EPS); the rest are greedy
-    temperature: np.ndarray  # float32 [len(sampled)]
-    uniform: np.ndarray  # float32 [len(sampled)]
-    top_k: np.ndarray  # int64 [len(sampled)]: 0 where off
-    top_p: np.ndarray  # float32 [len(sampled)]: 1 where off
-    min_p: np.ndarray  # float32 [len(sampled)]: 0 where off
+
+class Drafts(NamedTuple):
+    """Draft tokens to verify (speculative decoding): `counts[i]` (k) for row i, their ids
+    row after row in `token_ids`."""
+
+    counts: np.ndarray  # int64 [rows]
+    token_ids: np.ndarray  # int64 [sum of counts]
+
+    @staticmethod
+    def none(rows: int) -> Drafts:
+        return Drafts(np.zeros(rows, np.int64), np.zeros(0, np.int64))
+
+
+@dataclass(frozen=True, eq=False)
+class SamplingBatch:
+    """Everything a sampler reads of one step (see the module docstring). Rows are the
+    requests that sample, in order; [n] marks a column with one entry per row."""
+
+    temperature: np.ndarray  # float32 [n]: below GREEDY_EPS the row is greedy
+    sampled: np.ndarray  # int64: the rows that draw, in order
+    top_k: np.ndarray  # int64 [n]: 0 where off (greedy rows, k >= vocabulary)
+    top_p: np.ndarray  # float32 [n]: 1 where off
+    min_p: np.ndarray  # float32 [n]: 0 where off
+    uniform: np.ndarray  # float32 [n]: a sampled row's uniform number (0 for a greedy row)
     bias: Edits  # added
     banned: Edits  # set to -inf (values unused): stop tokens before min_tokens
     repetition: Edits  # the penalty of each seen token (prompt and output)
     penalty: Edits  # subtracted: frequency * count + presence, per output token
-    logprob_rows: np.ndarray  # int64 rows that asked for logprobs
-    top_logprobs: int  # the most top entries a logprob row asked for
-    constrained: list[int]  # rows a grammar masks (constrained, done thinking)
+    logprob_rows: np.ndarray  # int64: the rows that asked for logprobs
+    logprob_k: np.ndarray  # int64 [len(logprob_rows)]: the top entries each one asked for
+    constrained: list[int]  # the rows a grammar masks (constrained, done thinking)
+    grammars: dict[int, RequestGrammar]  # their grammars, by row
+    drafts: Drafts
+    generator: torch.Generator  # the engine's, for more uniform numbers of unseeded rows
+    seeded: dict[int, torch.Generator]  # a seeded row's own
+    # a row's sampling reads the tokens it sampled before (a grammar, penalties): the next
+    # step's batch needs this step's tokens on the host
+    reads_outputs: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.temperature)
+
+    @property
+    def top_logprobs(self) -> int:
+        """The most top entries a logprob row asked for."""
+        return int(self.logprob_k.max()) if len(self.logprob_k) else 0
 
     @property
     def processed(self) -> bool:
-        """Whether any row's logits are edited before the draw (so the raw ones are copied)."""
+        """Whether any row's logits are edited or masked before the draw."""
         return bool(self.bias or self.banned or self.repetition or self.penalty
                     or self.constrained)
 
-    @staticmethod
-    def of(reqs: Sequence[Request], vocab: int, eos_token_ids: Sequence[int],
-           generator: torch.Generator) -> SamplingBatch:
-        """From one pass over the requests' temperatures; the draw parameters are read only
-        for the rows that draw (`Request.draw`), the rest only for requests with
-        `sampling_extras` or a grammar."""
-        n = len(reqs)
-        temps = np.fromiter([r.params.temperature for r in reqs], np.float32, n)
-        sampled = np.flatnonzero(temps >= GREEDY_EPS)
-        drawing = reqs if len(sampled) == n else [reqs[i] for i in sampled.tolist()]
-        drawn = np.fromiter(itertools.chain.from_iterable([r.draw for r in drawing]),
-                            np.float64, 3 * len(drawing)).reshape(-1, 3)
-        top_k = drawn[:, 0]
-        extras = [i for i, r in enumerate(reqs) if r.sampling_extras or r.grammar is not None]
-        lp_rows = [i for i in extras if reqs[i].params.logprobs is not None]
-        return SamplingBatch(
-            sampled=sampled.astype(np.int64),
-            temperature=temps[sampled],
-            uniform=uniforms(reqs, sampled, extras, generator),
-            top_k=np.where((top_k > 0) & (top_k < vocab), top_k, 0).astype(np.int64),
-            top_p=drawn[:, 1].astype(np.float32),
-            min_p=drawn[:, 2].astype(np.float32),
-            bias=_bias(reqs, extras, vocab) if extras else NO_EDITS,
-            banned=_banned(reqs, extras, vocab, eos_token_ids) if extras else NO_EDITS,
-            repetition=_repetition(reqs, extras) if extras else NO_EDITS,
-            penalty=_penalty(reqs, extras) if extras else NO_EDITS,
-            logprob_rows=np.array(lp_rows, dtype=np.int64),
-            top_logprobs=max((reqs[i].params.logprobs or 0 for i in lp_rows), default=0),
-            constrained=[i for i in extras if reqs[i].masked],
-        )
+    @property
+    def edited_rows(self) -> np.ndarray:
+        """The rows with an edit (sorted, each once)."""
+        edits = [e.rows for e in (self.bias, self.banned, self.repetition, self.penalty) if e]
+        return np.unique(np.concatenate(edits)) if edits else NO_EDITS.rows
+
+    @property
+    def logits_start(self) -> np.ndarray:
+        """Each row's first row of the hidden states and logits (it owns k + 1 of them)."""
+        counts = self.drafts.counts
+        return np.arange(len(counts)) + np.cumsum(counts) - counts
+
+    @property
+    def num_logits_rows(self) -> int:
+        return self.num_rows + len(self.drafts.token_ids)
+
+    def check(self, hidden: torch.Tensor) -> None:
+        """Refuse what a sampler cannot do yet: draft tokens to verify; and hidden states that
+        are not one row per logits row."""
+        if len(self.drafts.token_ids):
+            raise NotImplementedError("draft tokens: their verification is not built yet")
+        if hidden.shape[0] != self.num_logits_rows:
+            raise ValueError(f"{hidden.shape[0]} hidden rows for {self.num_logits_rows} "
+                             "logits rows")
+
+    def more_uniforms(self, rows: Sequence[int]) -> np.ndarray:
+        """Fresh uniform numbers to draw `rows` again: the engine generator's for each, a
+        seeded row's own generator's for it."""
+        u = torch.rand(len(rows), generator=self.generator)
+        if self.seeded:
+            for j, i in enumerate(rows):
+                own = self.seeded.get(i)
+                if own is not None:
+                    u[j] = torch.rand(1, generator=own)
+        return u.numpy()
 
 
-NO_EDITS = Edits.of([], [], [])
-
-
-def uniforms(reqs: Sequence[Request], sampled: np.ndarray, extras: Sequence[int],
-             generator: torch.Generator) -> np.ndarray:
-    """One uniform number per sampled row of `reqs`: the engine generator's, or its own when
-    seeded (a seeded request is among `extras`)."""
+def first_uniforms(temperature: np.ndarray, sampled: np.ndarray,
+                   seeded: dict[int, torch.Generator], generator: torch.Generator) -> np.ndarray:
+    """A uniform number for each sampled row (0 for the others): the engine generator's for
+    every sampled row, in row order, then a seeded row's own generator's for its row."""
+    u = np.zeros(len(temperature), np.float32)
     if not len(sampled):
-        return np.zeros(0, np.float32)  # (drawing none leaves the generator as it is)
-    u = torch.rand(len(sampled), generator=generator)
-    for i in extras:
-        req = reqs[i]
-        if req.generator is not None:
-            j = int(np.searchsorted(sampled, i))
-            if j < len(sampled) and sampled[j] == i:
-                u[j] = torch.rand(1, generator=req.generator)
-    return u.numpy()
-
-
-def _row(i: int, n: int) -> np.ndarray:
-    return np.full(n, i, dtype=np.int64)
-
-
-def _bias(reqs: Sequence[Request], extras: Sequence[int], vocab: int) -> Edits:
-    rows, ids, vals = [], [], []
-    for i in extras:
-        r = reqs[i]
-        if not r.params.logit_bias:
-            continue
-        bias = {t: v for t, v in r.params.logit_bias.items() if 0 <= t < vocab}
-        if bias:
-            rows.append(_row(i, len(bias)))
-            ids.append(np.fromiter(bias.keys(), np.int64, len(bias)))
-            vals.append(np.fromiter(bias.values(), np.float32, len(bias)))
-    return Edits.of(rows, ids, vals)
-
-
-def _banned(reqs: Sequence[Request], extras: Sequence[int], vocab: int,
-            eos_token_ids: Sequence[int]) -> Edits:
-    rows, ids = [], []
-    for i in extras:
-        r = reqs[i]
-        p = r.params
-        if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
-            banned = [t for t in banned if t < vocab]
-            rows.append(_row(i, len(banned)))
-            ids.append(np.array(banned, dtype=np.int64))
-    return Edits.of(rows, ids, [np.zeros(len(r), np.float32) for r in rows])
-
-
-def _repetition(reqs: Sequence[Request], extras: Sequence[int]) -> Edits:
-    rows, ids, vals = [], [], []
-    for i in extras:
-        r = reqs[i]
-        if r.params.repetition_penalty != 1.0:
-            seen = np.unique(np.asarray(r.all_token_ids, dtype=np.int64))
-            rows.append(_row(i, len(seen)))
-            ids.append(seen)
-            vals.append(np.full(len(seen), r.params.repetition_penalty, dtype=np.float32))
-    return Edits.of(rows, ids, vals)
-
-
-def _penalty(reqs: Sequence[Request], extras: Sequence[int]) -> Edits:
-    rows, ids, vals = [], [], []
-    for i in extras:
-        r = reqs[i]
-        p = r.params
-        if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
-            out, counts = np.unique(np.asarray(r.output_token_ids, dtype=np.int64),
-                                    return_counts=True)
-            rows.append(_row(i, len(out)))
-            ids.append(out)
-            vals.append(np.float32(p.frequency_penalty) * counts.astype(np.float32)
-                        + np.float32(p.presence_penalty))
-    return Edits.of(rows, ids, vals)
+        return u  # (drawing none leaves the generator as it is)
+    u[sampled] = torch.rand(len(sampled), generator=generator).numpy()
+    for i, own in seeded.items():
+        if temperature[i] >= GREEDY_EPS:
+            u[i] = torch.rand(1, generator=own).numpy()[0]
+    return u

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import enum
 
-import torch
-
+from engine_core.sample.batch_builder import RequestSampling
 from engine_core.structured.grammar import RequestGrammar
 from shared.messages import SamplingParams
 
@@ -36,12 +35,8 @@ class Request:
         self.num_published_blocks = 0  # leading blocks already in the prefix cache
         self.status = Status.WAITING
         self.prompt_logprobs_done = params.prompt_logprobs is None  # (or scored already)
-        # its sampling reads its earlier tokens (penalties): a step's next one waits for them
-        self.reads_history = bool(params.repetition_penalty != 1.0 or params.presence_penalty
-                                  or params.frequency_penalty)
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        # how it samples, read once from its params (the sampling batch's builder reads it)
+        self.sampling = RequestSampling(params)
         self.grammar: RequestGrammar | None = None  # set by the scheduler when constrained
         # A constrained request that thinks first: its grammar masks nothing until the output
         # ends with params.reasoning_end (decided here, on token ids, as each token is appended).
@@ -49,21 +44,11 @@ class Request:
         # >= 0 while the newest token is a placeholder (PLACEHOLDER): sampled by a step still
         # in flight (overlapped steps), at this row of that step's samples
         self.placeholder_row = -1
-        # Read once here, so that a step's per-request work is a few attribute loads:
-        # - what may end it at a token (widened by the scheduler with the model's EOS ids and
-        #   context, `StopRules.watch`): a token among `stop_ids`, or `output_limit` outputs;
+        # Read once here, so that a step's per-request work is a few attribute loads: what may
+        # end it at a token (widened by the scheduler with the model's EOS ids and context,
+        # `StopRules.watch`): a token among `stop_ids`, or `output_limit` outputs.
         self.stop_ids = frozenset(params.stop_token_ids)
         self.output_limit = params.max_tokens
-        # - how it draws, (top_k, top_p, min_p), and its logprobs' k (-1: none);
-        self.draw = (params.top_k, params.top_p, params.min_p)
-        self.logprobs_k = -1 if params.logprobs is None else params.logprobs
-        # - whether its sampling needs more than those (sampling_batch.py reads only these
-        #   requests' other parameters): edits of the logits, its own generator, logprobs,
-        #   a grammar.
-        self.sampling_extras = bool(
-            params.logit_bias or params.min_tokens or self.reads_history
-            or params.seed is not None or params.logprobs is not None
-            or params.structured is not None)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,8 +6,11 @@ is split into chunks across steps, so one long prompt never stalls running decod
 blocks run out, the newest running request is preempted: its blocks are freed and it goes
 back to the front of the queue, to be recomputed (prompt + outputs so far) later.
 
-After the step ran, `update_from_output` records its progress: computed tokens, blocks for the
-prefix cache, sampled tokens, the stop rules (stop_rules.py), and finishes requests.
+The engine records a step in two halves: `advance` once it is queued (computed tokens, blocks
+for the prefix cache, with overlapped steps a placeholder for each token it samples), then
+`resolve` once its sampled tokens are on the host (each appended, the stop rules of
+stop_rules.py applied, finished requests ended). `update_from_output` runs both at once: the
+tests' shorthand for a step.
 
 Constrained requests (structured outputs): `add` starts compiling the request's grammar
 (engine_core/structured/grammar.py, on a worker thread); the request waits, and others pass it,
@@ -387,9 +390,10 @@ class Scheduler:
     # -- after the step ---------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput,
                            sampled_token_ids: np.ndarray | Sequence[int]) -> dict[str, Stop]:
-        """Record what the step computed: `out` as `schedule()` returned it, and one sampled
-        token per request of `out.samplers()`, in that order. Returns the requests finished
-        by it, by id: those that sampled, in order, then prompt-only ones ("length")."""
+        """Record what the step computed (`advance` then `resolve`, as tests drive a step):
+        `out` as `schedule()` returned it, and one sampled token per request of
+        `out.samplers()`, in that order. Returns the requests finished by it, by id: those that
+        sampled, in order, then prompt-only ones ("length")."""
         self.advance(out)
         return self.resolve(out, sampled_token_ids)
 

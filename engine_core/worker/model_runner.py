@@ -282,7 +282,7 @@ class ModelRunner:
         table = np.arange(seqs * width, dtype=np.int64).reshape(seqs, width)
         caches = self._allocate_kv(seqs * width)
         scratch = sum(k.nbytes + v.nbytes for k, v in caches)
-        sampler = DeviceSampler([], 0, self.head_weights, self.link)
+        sampler = DeviceSampler(self.head_weights, self.link)
         host = table.astype(np.int32)
         tables = TableView(host, self.link.upload(host), np.arange(seqs))
         none = np.zeros(0, dtype=np.int64)

@@ -13,7 +13,8 @@ engine's own methods:
 - schedule: `Scheduler.schedule`
 - prepare: `ModelRunner.execute` (the step's inputs and attention metadata; the forward is
   the stub)
-- sample: the sampler's call (its host bookkeeping; the head is the stub's)
+- sample: the step's `SamplingBatch` built, and the sampler's call (its host bookkeeping; the
+  head is the stub's)
 - update: the scheduler's record of the step (`advance` and `resolve`)
 - pack: `StepNews.pack` (one `StepOutputs` per frontend)
 - other: the rest of `EngineCore.step`
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 
+import engine_core.engine as engine_module
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
 from engine_core.outputs import StepNews
@@ -118,6 +120,8 @@ def instrument(core: EngineCore, clock: PhaseClock) -> None:
                "sample")
     if not hasattr(sampler, "sample_later"):  # before overlapped steps: the engine called it
         clock.wrap(core, "sampler", "sample")
+    if hasattr(engine_module, "build_sampling_batch"):  # the engine builds the sampler's input
+        clock.wrap(engine_module, "build_sampling_batch", "sample")
     for name in ("update_from_output", "advance", "resolve"):
         if hasattr(core.scheduler, name):
             clock.wrap(core.scheduler, name, "update")

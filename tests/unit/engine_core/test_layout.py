@@ -1,9 +1,10 @@
 """The engine's packages and their import order (docs/architecture.md): read from the source.
 
-Layers, bottom up: `layers/` and `structured/` (import nothing else of the engine), `sched/`
-and `models/` (the model files, on `layers/`), `sample/`, `worker/`, then the root's step
+Layers, bottom up: `layers/` and `structured/` (import nothing else of the engine), `sample/`
+and `models/` (the model files, on `layers/`), `sched/`, `worker/`, then the root's step
 pipeline and process. A module imports only its own
 package, packages below it, and the root's `config` (a leaf that imports nothing); no circle.
+Sampling reads one `SamplingBatch`, never the scheduler: `sample/` imports nothing of `sched/`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import engine_core
 
 ROOT = Path(engine_core.__file__).parent
-RANK = {"layers": 0, "structured": 0, "sched": 1, "models": 1, "sample": 2, "worker": 3, "": 4}
+RANK = {"layers": 0, "structured": 0, "sample": 1, "models": 1, "sched": 2, "worker": 3, "": 4}
 LEAF = "engine_core.config"
 
 
@@ -64,6 +65,13 @@ def test_no_package_imports_one_above_it() -> None:
              if t != LEAF and _package(t) != _package(m)
              and RANK[_package(t)] >= RANK[_package(m)]]
     assert not wrong, wrong
+
+
+def test_sampling_imports_nothing_of_the_scheduler() -> None:
+    wrong = [(m, t) for m, targets in engine_imports().items() for t in targets
+             if _package(m) == "sample" and _package(t) == "sched"]
+    assert not wrong, wrong
+    assert RANK["sample"] < RANK["sched"]
 
 
 def test_the_config_leaf_imports_nothing_of_the_engine() -> None:

@@ -12,12 +12,13 @@ import torch
 
 from engine_core.layers.host_link import HostLink
 from engine_core.layers.lm_head import BLOCK, LMHead
-from engine_core.sample.device_sampler import DeviceSampler, HeadWeights, inverse_cdf
+from engine_core.sample.device_sampler import DeviceSampler, HeadWeights
+from engine_core.sample.logits_ops import inverse_cdf, pick_block, pick_within
 from engine_core.sample.sampler import Sampler
-from engine_core.sample.sampler import inverse_cdf as cpu_inverse_cdf
 from engine_core.sched.request import Request
 from shared.messages import SamplingParams
 from tests.unit.engine_core.heads import engine_kernels
+from tests.unit.engine_core.sample.batches import batch_of
 from tests.unit.engine_core.sample.test_sampler import (
     EOS,
     PROBS,
@@ -43,21 +44,26 @@ class CountingLink(HostLink):
         return super().download_later(tensors)
 
 
-def device_sampler(weight: torch.Tensor, seed: int = 0, eos: list[int] | None = None,
-                   link: HostLink | None = None) -> DeviceSampler:
-    return DeviceSampler(eos or [], seed, HeadWeights(weight), link or CountingLink())
+def device_sampler(weight: torch.Tensor, link: HostLink | None = None) -> DeviceSampler:
+    return DeviceSampler(HeadWeights(weight), link or CountingLink())
+
+
+def sample_on_device(weight: torch.Tensor, hidden: torch.Tensor, reqs: list[Request],
+                     seed: int = 0, link: HostLink | None = None):
+    return device_sampler(weight, link)(hidden, batch_of(reqs, weight.shape[0], seed))
 
 
 def both(weight: torch.Tensor, hidden: torch.Tensor, params: list[SamplingParams],
          seed: int = 0, eos: list[int] | None = None, prompt: list[int] | None = None):
     """The CPU sampler's and the device sampler's outputs for the same requests (made twice,
     so that seeded generators start alike)."""
-    def reqs() -> list[Request]:
-        return [Request(f"r{i}", prompt or [1], p) for i, p in enumerate(params)]
+    def batch():
+        reqs = [Request(f"r{i}", prompt or [1], p) for i, p in enumerate(params)]
+        return batch_of(reqs, weight.shape[0], seed, eos or [])
 
     head = LMHead(weight, chunk=BLOCK, workers=2, kernels=engine_kernels())
-    cpu = Sampler(eos or [], seed)(head, hidden, reqs())
-    dev = device_sampler(weight, seed, eos)(None, hidden, reqs())
+    cpu = Sampler(head)(hidden, batch())
+    dev = device_sampler(weight)(hidden, batch())
     return cpu, dev
 
 
@@ -84,8 +90,9 @@ def test_greedy_tokens_logprobs_and_ranks_equal_the_cpu_sampler():
 
 def test_sampled_tokens_get_their_logprob_and_rank():
     hidden, weight = random_head(6)
-    out = device_sampler(weight, seed=3)(None, hidden, [
-        Request(f"r{i}", [1], SamplingParams(temperature=1.0, logprobs=3)) for i in range(6)])
+    out = sample_on_device(weight, hidden, [
+        Request(f"r{i}", [1], SamplingParams(temperature=1.0, logprobs=3)) for i in range(6)],
+        seed=3)
     ref = torch.log_softmax(hidden @ weight.T, -1)
     chosen = ref[torch.arange(6), torch.from_numpy(out.token_ids)]
     assert out.logprobs is not None
@@ -112,9 +119,9 @@ def test_unseeded_draws_share_the_engine_generator_in_row_order():
 
 
 def draw(n: int, logits: torch.Tensor = PROBS.log(), **params: float) -> torch.Tensor:
-    sampler = device_sampler(logits[:, None].clone())
     reqs = [Request(f"r{i}", [1], SamplingParams(**params)) for i in range(n)]  # type: ignore[arg-type]
-    return torch.from_numpy(sampler(None, torch.ones(n, 1), reqs).token_ids)
+    return torch.from_numpy(sample_on_device(logits[:, None].clone(), torch.ones(n, 1),
+                                             reqs).token_ids)
 
 
 def test_draws_follow_the_distribution_and_truncation_cuts_it():
@@ -128,14 +135,19 @@ def test_draws_follow_the_distribution_and_truncation_cuts_it():
     assert draw(50, temperature=0.0).tolist() == [3] * 50
 
 
-def test_inverse_cdf_is_the_cpu_samplers_on_the_cpu():
+def test_inverse_cdf_is_the_fast_paths_two_picks():
+    """The device's inverse CDF (with gathers) and the CPU fast path's block pick then pick
+    within the block, on the same weights: the same tokens."""
     g = torch.Generator().manual_seed(1)
     weights = torch.rand(16, 1000, generator=g) ** 4  # a partial last block
     weights[3] = 0.0
     weights[3, 999] = 1.0
     u = torch.rand(16, generator=g)
     u[0], u[1] = 0.0, 1.0 - 1e-7
-    assert inverse_cdf(weights, u).tolist() == cpu_inverse_cdf(weights, u[:, None]).tolist()
+    padded = torch.nn.functional.pad(weights, (0, 1024 - 1000)).view(16, 4, BLOCK)
+    block, rest = pick_block(padded.sum(-1), u[:, None])
+    two_picks = block * BLOCK + pick_within(padded[torch.arange(16), block], rest)
+    assert inverse_cdf(weights, u).tolist() == two_picks.tolist()
     assert int(inverse_cdf(weights, u)[3]) == 999
 
 
@@ -167,18 +179,18 @@ def test_frequency_and_presence_penalties_count_output_tokens():
         r.append_token(3)
         r.append_token(3)  # 1.25 - 2 * 0.2 | - 0.2 | - 0.2 - 0.01
         reqs.append(r)
-    out = device_sampler(logits[:, None].clone())(None, torch.ones(3, 1), reqs)
+    out = sample_on_device(logits[:, None].clone(), torch.ones(3, 1), reqs)
     assert out.token_ids.tolist() == [2, 2, 2]
 
 
 def test_one_download_a_step():
     hidden, weight = random_head(5)
     link = CountingLink()
-    sampler = device_sampler(weight, link=link)
     params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(top_p=0.5, seed=1),
               SamplingParams(repetition_penalty=1.1, logit_bias={1: 1.0}),
               SamplingParams(temperature=0.7, logprobs=5, top_k=3), SamplingParams(min_p=0.2)]
-    sampler(None, hidden, [Request(f"r{i}", [1, 2], p) for i, p in enumerate(params)])
+    sample_on_device(weight, hidden, [Request(f"r{i}", [1, 2], p) for i, p in enumerate(params)],
+                     link=link)
     assert link.downloads == 1
 
 
@@ -189,7 +201,7 @@ def test_constrained_greedy_is_the_masked_argmax_and_draws_stay_in_the_mask():
         allowed = allowed_mask(regex)
         masked = logits.masked_fill(~allowed, -math.inf)
         reqs = constrained(2, regex, temperature=0.0, logprobs=1)
-        out = device_sampler(weight)(None, torch.ones(2, 1), reqs)
+        out = sample_on_device(weight, torch.ones(2, 1), reqs)
         assert out.token_ids.tolist() == [int(masked.argmax())] * 2
         assert out.logprobs is not None  # raw logprobs, not the masked ones
         raw = torch.log_softmax(logits, -1)[int(masked.argmax())]
@@ -197,8 +209,8 @@ def test_constrained_greedy_is_the_masked_argmax_and_draws_stay_in_the_mask():
         assert all(r.grammar is not None and r.grammar.accept(EOS) for r in reqs)  # advanced
         for temp in (1.0, 0.7):
             reqs = constrained(4000, regex, temperature=temp)
-            tokens = torch.from_numpy(device_sampler(weight)(None, torch.ones(4000, 1),
-                                                             reqs).token_ids)
+            tokens = torch.from_numpy(sample_on_device(weight, torch.ones(4000, 1),
+                                                       reqs).token_ids)
             assert bool(allowed[tokens].all())
             expected = torch.softmax((logits / temp).masked_fill(~allowed, -math.inf), -1)
             got = torch.bincount(tokens, minlength=VOCAB).float() / len(tokens)
@@ -217,7 +229,7 @@ def test_a_token_the_matcher_refuses_is_banned_and_drawn_again(monkeypatch):
     logits = constrained_logits()  # under "f+", "ff" (35) is the best allowed token
     reqs = constrained(1, "f+", temperature=0.0, logprobs=0)
     link = CountingLink()
-    out = device_sampler(logits[:, None].clone(), link=link)(None, torch.ones(1, 1), reqs)
+    out = sample_on_device(logits[:, None].clone(), torch.ones(1, 1), reqs, link=link)
     assert out.token_ids.tolist() == [5]
     assert out.logprobs is not None
     assert np.allclose(out.logprobs.logprobs, float(torch.log_softmax(logits, -1)[5]), atol=1e-5)
@@ -234,5 +246,5 @@ def test_profile_runs_the_costliest_step():
 def test_a_thinking_row_is_not_masked():
     logits = constrained_logits()
     reqs = thinking(2, "f+", temperature=0.0)
-    out = device_sampler(logits[:, None].clone())(None, torch.ones(2, 1), reqs)
+    out = sample_on_device(logits[:, None].clone(), torch.ones(2, 1), reqs)
     assert out.token_ids.tolist() == [int(logits.argmax())] * 2

@@ -6,10 +6,9 @@ import numpy as np
 import torch
 
 from engine_core.layers.lm_head import LMHead
-from engine_core.sample.prompt_logprobs import PromptLogprobsAccumulator
+from engine_core.sample.prompt_logprobs import PromptChunk, PromptLogprobsAccumulator
 from engine_core.sched.block_manager import BlockManager
 from engine_core.sched.request import Request
-from engine_core.sched.scheduler import Scheduled
 from shared.messages import SamplingParams
 from shared.step_outputs import Logprobs
 
@@ -47,12 +46,13 @@ def test_score_step_scores_chunks_until_the_prompt_completes():
     weight = torch.randn(50, 8)
     head = LMHead(weight)
     prompt = [3, 14, 15, 9, 26, 5]
-    r = Request("a", prompt, SamplingParams(max_tokens=0, prompt_logprobs=2))
     hidden = torch.randn(5, 8)
     acc = PromptLogprobsAccumulator()
-    assert acc.score_step(head, [Scheduled(r, 0, 3)], [(0, 3)], hidden[:3]) == {}
+    first = PromptChunk("a", 0, 3, prompt[1:4], k=2, completes=False)
+    assert acc.score_step(head, [first], hidden[:3]) == {}
     assert "a" in acc
-    done = acc.score_step(head, [Scheduled(r, 3, 3)], [(0, 2)], hidden[3:])
+    done = acc.score_step(head, [PromptChunk("a", 0, 2, prompt[4:], k=2, completes=True)],
+                          hidden[3:])
     ref = torch.log_softmax(hidden @ weight.T, -1)[torch.arange(5), torch.tensor(prompt[1:])]
     assert np.allclose(done["a"].logprobs, ref.numpy(), atol=1e-5)
     assert done["a"].top_ids.shape == (5, 2) and "a" not in acc

@@ -15,12 +15,14 @@ import numpy as np
 import torch
 
 from engine_core.layers.lm_head import BLOCK, LMHead
+from engine_core.sample.logits_ops import draw_plain
 from engine_core.sample.sampler import Sampler, token_logprobs
 from engine_core.sched.request import Request
 from engine_core.structured.grammar import RequestGrammar
 from engine_core.structured.masks import TokenMasker
 from shared.messages import SamplingParams, StructuredOutput
 from tests.unit.engine_core.heads import engine_kernels
+from tests.unit.engine_core.sample.batches import batch_of
 
 PROBS = torch.tensor([0.1, 0.2, 0.3, 0.4])
 
@@ -30,7 +32,8 @@ def head_for(logits: torch.Tensor, **kwargs) -> LMHead:
 
 
 def sample(logits: torch.Tensor, reqs: list[Request], seed: int = 0, **head) -> torch.Tensor:
-    out = Sampler([], seed=seed)(head_for(logits, **head), torch.ones(len(reqs), 1), reqs)
+    out = Sampler(head_for(logits, **head))(torch.ones(len(reqs), 1),
+                                            batch_of(reqs, len(logits), seed))
     return torch.from_numpy(out.token_ids)
 
 
@@ -89,17 +92,17 @@ def test_token_logprobs_match_log_softmax():
 
 
 def test_inverse_cdf_finds_the_right_bucket_and_skips_zero_weights():
-    from engine_core.sample.sampler import inverse_cdf
+    from engine_core.sample.logits_ops import inverse_cdf
 
     w = torch.zeros(3, 1000)
     w[:, 10], w[:, 500], w[:, 999] = 1.0, 2.0, 1.0
-    u = torch.tensor([[0.0], [0.3], [0.9999999]])
-    assert inverse_cdf(w, u, block=64).tolist() == [10, 500, 999]
+    u = torch.tensor([0.0, 0.3, 0.9999999])
+    assert inverse_cdf(w, u).tolist() == [10, 500, 999]
     dense = torch.rand(4, 777)
     cdf = dense.cumsum(-1)
-    u = torch.rand(4, 1)
-    expected = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
-    assert (inverse_cdf(dense, u, block=100) - expected).abs().max() <= 1  # float rounding only
+    u = torch.rand(4)
+    expected = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)[:, 0]
+    assert (inverse_cdf(dense, u) - expected).abs().max() <= 1  # float rounding only
 
 
 def test_block_path_follows_the_distribution_across_chunks():
@@ -126,7 +129,7 @@ def test_sampled_rows_get_their_tokens_logprob_and_rank():
         SamplingParams(temperature=0.0, logprobs=3), SamplingParams(top_p=0.9, logprobs=3)]
     reqs = [Request(f"r{i}", [1], p) for i, p in enumerate(params)]
     head = LMHead(weight, chunk=BLOCK, workers=2, kernels=engine_kernels())
-    out = Sampler([], seed=3)(head, hidden, reqs)
+    out = Sampler(head)(hidden, batch_of(reqs, 900, seed=3))
     ref = torch.log_softmax(hidden @ weight.T, -1)
     tokens = torch.from_numpy(out.token_ids)
     chosen = ref[torch.arange(6), tokens]
@@ -140,28 +143,27 @@ def test_sampled_rows_get_their_tokens_logprob_and_rank():
 
 
 def test_plain_draws_follow_softmax_over_the_allowed_and_greedy_takes_the_first_maximum():
-    """Sampler.draw_plain (the fast path's exact masked draws over a few candidates): sampled
-    rows follow softmax(vals / T) over their finite entries and never draw a -inf one; greedy
+    """draw_plain (the fast path's exact masked draws over a few candidates): sampled rows
+    follow softmax(vals / T) over their finite entries and never draw a -inf one; greedy
     rows, and a row that allows nothing, take the first of equal maxima; a seed repeats."""
     row = np.array([0.5, -np.inf, 1.5, -1.0, -np.inf, 1.5], dtype=np.float32)
-    sampler = Sampler([], seed=0)
     for temp in (1.0, 0.7):
         reqs = [Request(f"r{i}", [1], SamplingParams(temperature=temp)) for i in range(20000)]
-        cols = sampler.draw_plain(np.tile(row, (len(reqs), 1)), reqs)
+        cols = draw_plain(np.tile(row, (len(reqs), 1)), batch_of(reqs, 6), range(len(reqs)))
         got = np.bincount(cols, minlength=len(row)) / len(cols)
         expected = torch.softmax(torch.from_numpy(row) / temp, -1).numpy()
         assert np.abs(got - expected).max() < 0.01, temp
         assert got[1] == got[4] == 0.0  # never a disallowed one
     rows = np.stack([row, row, np.full_like(row, -np.inf)])
     greedy = [Request(f"g{i}", [1], SamplingParams(temperature=0.0)) for i in range(3)]
-    assert sampler.draw_plain(rows, greedy).tolist() == [2, 2, 0]
+    assert draw_plain(rows, batch_of(greedy, 6), range(3)).tolist() == [2, 2, 0]
 
     def seeded(sampler_seed: int, others: int) -> list[int]:
         """Eight draws of a request with seed 7, after `others` unseeded rows."""
         reqs = [Request(f"o{i}", [1], SamplingParams(temperature=1.0)) for i in range(others)]
         reqs.append(Request("s", [1], SamplingParams(temperature=1.0, seed=7)))
-        sampler = Sampler([], seed=sampler_seed)
-        return [int(sampler.draw_plain(np.tile(row, (len(reqs), 1)), reqs)[-1])
+        batch = batch_of(reqs, 6, seed=sampler_seed)
+        return [int(draw_plain(np.tile(row, (len(reqs), 1)), batch, range(len(reqs)))[-1])
                 for _ in range(8)]
 
     assert seeded(1, 0) == seeded(2, 3)
@@ -198,6 +200,8 @@ def _compiled(regex: str):
 
 
 def constrained(n: int, regex: str, **params) -> list[Request]:
+    """Requests under `regex`, their grammar compiled (as the scheduler sets it)."""
+    params.setdefault("structured", StructuredOutput("regex", regex))
     reqs = []
     for i in range(n):
         req = Request(f"c{i}", [1], SamplingParams(**params))
@@ -292,11 +296,11 @@ def test_constrained_rows_keep_the_raw_logprobs_and_free_rows_their_draws():
     logits = constrained_logits()
     free = [Request(f"f{i}", [1], SamplingParams(temperature=1.0, seed=i, logprobs=1))
             for i in range(4)]
-    alone = Sampler([], seed=0)(head_for(logits), torch.ones(4, 1), free)
+    alone = Sampler(head_for(logits))(torch.ones(4, 1), batch_of(free, VOCAB))
     free = [Request(f"f{i}", [1], SamplingParams(temperature=1.0, seed=i, logprobs=1))
             for i in range(4)]
     mixed = constrained(3, "f+", temperature=1.0, logprobs=1) + free
-    out = Sampler([], seed=0)(head_for(logits), torch.ones(7, 1), mixed)
+    out = Sampler(head_for(logits))(torch.ones(7, 1), batch_of(mixed, VOCAB))
     assert out.token_ids[3:].tolist() == alone.token_ids.tolist()
     assert out.logprobs is not None
     raw = torch.log_softmax(logits, -1)[torch.from_numpy(out.token_ids[:3])]
@@ -324,8 +328,7 @@ def test_read_masks_and_allows_read_the_bitmask():
 
 def thinking(n: int, regex: str, **params) -> list[Request]:
     """Constrained requests still thinking: their end marker (token 7) not yet generated."""
-    return constrained(n, regex, structured=StructuredOutput("regex", regex), reasoning_end=[7],
-                       **params)
+    return constrained(n, regex, reasoning_end=[7], **params)
 
 
 def test_a_thinking_row_draws_unconstrained_on_either_path(monkeypatch):
