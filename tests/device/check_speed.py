@@ -33,7 +33,7 @@ from engine_core.engine import EngineCore
 from engine_core.layers.host_link import Download
 from shared.messages import SamplingParams, StepOutputs
 from tests.bench.engine_throughput import make_prompts
-from tests.device.context import VARIANTS, Context, EngineRunError
+from tests.device.context import VARIANTS, Context, EngineRunError, sampled
 
 DTYPE = "bfloat16"  # the GPU's serving dtype; the dry run runs it too, on the CPU
 TARGET_RATIO = 0.9
@@ -254,17 +254,6 @@ def profile(ctx: Context) -> dict[str, Any]:
         f"{header}\n\n{table}\n")
     return {"batch": s.batch, "steps": s.profile_steps, **figures,
             "passed": figures.get("outside_gpu_share", 1.0) < 0.1 if cuda else None}
-
-
-def sampled(outputs: dict[bytes, StepOutputs], started: set[str] | None) -> int:
-    """How many tokens a step's outputs carry; the requests that got one join `started`."""
-    count = 0
-    for out in outputs.values():
-        ids = np.frombuffer(out.token_ids, dtype=np.int32)
-        count += int((ids >= 0).sum())
-        if started is not None:
-            started.update(r for r, t in zip(out.req_ids, ids) if t >= 0)
-    return count
 
 
 def _timed_step(core: EngineCore) -> float:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine_core.config import EngineConfig
@@ -22,6 +23,7 @@ from engine_core.engine import EngineCore
 from engine_core.worker.cuda_graphs import capture_sizes
 from engine_core.worker.default_model import TinySpec
 from engine_core.worker.platform import Platform
+from shared.messages import StepOutputs
 from tests.engine.driver import Collected
 
 VARIANTS = ("graphs", "eager", "async")  # CUDA graphs (the default), --enforce-eager, both
@@ -147,3 +149,14 @@ def check_run(core: EngineCore, results: dict[str, Collected], max_tokens: dict[
             problems.append(f"{rid}: finished {got.finish!r} ({got.message or ''})")
     if problems:
         raise EngineRunError(f"{len(problems)} problem(s): " + "; ".join(problems[:5]))
+
+
+def sampled(outputs: dict[bytes, StepOutputs], started: set[str] | None) -> int:
+    """How many tokens a step's outputs carry; the requests that got one join `started`."""
+    count = 0
+    for out in outputs.values():
+        ids = np.frombuffer(out.token_ids, dtype=np.int32)
+        count += int((ids >= 0).sum())
+        if started is not None:
+            started.update(r for r, t in zip(out.req_ids, ids) if t >= 0)
+    return count

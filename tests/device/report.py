@@ -105,9 +105,10 @@ def _leak(r: dict[str, Any]) -> str:
 def _structured(r: dict[str, Any]) -> str:
     return (f"{r['requests']} constrained requests ({r['dtype']}): {r['finished']['stop']} "
             f"complete and valid, {r['finished']['length']} cut by max_tokens, "
-            f"{len(r['failures'])} wrong; decode step at batch {r['batch']}: free "
-            f"{r['free_step_ms']:.2f} ms, constrained {r['constrained_step_ms']:.2f} ms "
-            f"({r['constrained_over_free']:.2f}× the speed){_leak(r)}")
+            f"{len(r['failures'])} wrong; decode step at batch {r['batch']} ({r['full_steps']} "
+            f"full steps): free {r['free_step_ms']:.2f} ms, constrained "
+            f"{r['constrained_step_ms']:.2f} ms ({r['constrained_over_free']:.2f}× the "
+            f"speed){_leak(r)}")
 
 
 def _kernels(r: dict[str, Any]) -> str:
