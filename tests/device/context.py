@@ -54,6 +54,7 @@ class Sizes:
     time_limit_s: float
     threads: int | None = None  # torch threads of the engines (None: torch's choice)
     structured_new_tokens: int = 96  # each constrained request's max_tokens
+    mixed_steps: int = 3  # profile: steps that take a new prompt's prefill beside the decodes
     max_model_len: int | None = None  # the in-process engines' (None: the model's)
     # the kernels stage's (decodes, context) cases
     # the last: a context that fills neither a block (16) nor a tile (64), for the masking

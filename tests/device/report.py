@@ -76,9 +76,33 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | {ran} | {verdict} | {record.get('seconds', '')} | {figures} |")
         if "error" in record:
             errors.append(f"- {name}: {record['error']}")
+    lines += _targets(report["stages"])
     if errors:
         lines += ["", "Errors (tracebacks in gpu_check.json):", *errors]
     return "\n".join(lines) + "\n"
+
+
+def _targets(stages: dict[str, Any]) -> list[str]:
+    """One row per target a stage judged (issue 39's): measured, bound, met."""
+    rows = []
+    for name, record in stages.items():
+        for t in record.get("targets", []) if record["ok"] else []:
+            met = {True: "met", False: "missed", None: "-"}[t["met"]]
+            op = "" if t["unit"] == "yes/no" else {"<=": "≤ ", ">=": "≥ "}[t["op"]]
+            rows.append(f"| {name} | {t['name']} | {_value(t['value'], t['unit'])} | "
+                        f"{op}{_value(t['bound'], t['unit'])} | {met} |")
+    if not rows:
+        return []
+    return ["", "| stage | target | measured | bound | met |", "|---|---|---|---|---|", *rows]
+
+
+def _value(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "yes/no":
+        return "yes" if value else "no"
+    text = f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+    return f"{text} {unit}".strip()
 
 
 def _build(r: dict[str, Any]) -> str:
@@ -122,27 +146,49 @@ def _kernels(r: dict[str, Any]) -> str:
     return "; ".join(parts) + (f"; fallbacks for later stages: {fallbacks}" if fallbacks else "")
 
 
+def _roof(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:.2f}×"
+
+
 def _throughput(r: dict[str, Any]) -> str:
-    base = r["baselines"][r["baseline_used"]]
-
     def one(label: str, e: dict[str, Any], ratio: float) -> str:
+        roof = e["roofline"]
         return (f"{label} {e['tok_s']:.0f} tok/s ({e['decode_tok_s']:.0f} decoding, ratio "
-                f"{ratio:.2f}; per decode step host {e['decode_host_ms']:.2f} ms + wait "
-                f"{e['decode_wait_ms']:.2f} ms)")
+                f"{ratio:.2f}; decode step {roof['decode_step_ms']:.2f} ms = "
+                f"{_roof(roof['decode_fraction'])} its roofline; per decode step host "
+                f"{e['decode_host_ms']:.2f} ms + wait {e['decode_wait_ms']:.2f} ms)")
 
+    base = r["baselines"][r["baseline_used"]]
+    graph = r["baselines"].get("hf_static_graph", {})
+    if "replay" in graph:
+        exact, served = graph["replay_float32"], graph["replay"]
+        replay = (f"graph loop vs eager: float32 {exact['free_running_agreement']:.1%} free "
+                  f"running, {exact['lockstep_agreement']:.1%} step by step (logits within "
+                  f"{exact['max_rel_logit_error']:.1e}); {served['dtype']} "
+                  f"{served['free_running_agreement']:.1%} free running, "
+                  f"{served['lockstep_agreement']:.1%} step by step (within "
+                  f"{served['max_rel_logit_error']:.1e})")
+    else:
+        replay = f"graph loop: {graph.get('error', 'not run')}"
     return (f"batch {r['batch']}, {r['input_len']}+{r['output_len']}: "
             f"{one('engine+graphs', r['engine'], r['ratio'])}, "
             f"{one('eager', r['engine_eager'], r['ratio_eager'])}, "
             f"{one('graphs+async', r['engine_async'], r['ratio_async'])} vs "
-            f"{r['baseline_used']} {base['tok_s']:.0f} ({base['decode_tok_s']:.0f}) (≥ 0.9)")
+            f"{r['baseline_used']} {base['tok_s']:.0f} ({base['decode_tok_s']:.0f}); "
+            f"{replay}")
 
 
 def _profile(r: dict[str, Any]) -> str:
-    text = (f"decode step {r['wall_ms']:.2f} ms at batch {r['batch']} (host "
+    text = (f"decode step {r['wall_ms']:.2f} ms at batch {r['batch']}, context {r['context']} "
+            f"(floor {r['floor_ms']:.2f} ms: {_roof(r['roofline_fraction'])}; host "
             f"{r.get('host_ms', 0):.2f} ms before the wait, {r.get('wait_ms', 0):.2f} ms in it)")
     if "gpu_kernel_ms" in r:
         text += (f", GPU kernels {r['gpu_kernel_ms']:.2f} ms ({r['kernels_per_step']:.0f} "
-                 f"launches): {r['outside_gpu_share']:.0%} outside kernels (< 10%)")
+                 f"launches): {r['outside_gpu_share']:.0%} outside kernels")
+    replays = r.get("mixed_graph_replays")
+    text += (f"; {r['mixed_steps']} mixed steps (a prompt's prefill beside the decodes): host "
+             f"{r['mixed_host_ms']:.2f} ms, wall {r['mixed_wall_ms']:.2f} ms"
+             + ("" if replays is None else f", {replays} graph replays"))
     return text + "; table in profile.txt"
 
 
