@@ -31,6 +31,19 @@ VARIANTS = ("graphs", "eager", "async")  # CUDA graphs (the default), --enforce-
 
 
 @dataclass(frozen=True)
+class ServeRun:
+    """One `tandem bench serve` run against the served model, and what it should reach on the
+    GPU: (figure of check_serve.summary_figures, "<=" or ">=", bound)."""
+
+    name: str
+    concurrency: int
+    prompts: int
+    input_len: int
+    output_len: int
+    targets: tuple[tuple[str, str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Sizes:
     """How big each stage runs: the GPU figures (DEVICE_SIZES) or the CPU dry run's."""
 
@@ -46,10 +59,7 @@ class Sizes:
     output_len: int
     timed_steps: int  # profile: decode steps timed without the profiler
     profile_steps: int  # ... and under it
-    serve_concurrency: int
-    serve_prompts: int
-    serve_input_len: int
-    serve_output_len: int
+    serve_runs: tuple[ServeRun, ...]  # one after another, against one server
     serve_kv_cache_bytes: int | None  # None: the engine's own sizing (--gpu-memory-utilization)
     time_limit_s: float
     threads: int | None = None  # torch threads of the engines (None: torch's choice)

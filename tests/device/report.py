@@ -193,12 +193,19 @@ def _profile(r: dict[str, Any]) -> str:
 
 
 def _serve(r: dict[str, Any]) -> str:
-    def ms(key: str) -> str:
-        return "-" if r.get(key) is None else f"{r[key]:.1f}"
+    def ms(run: dict[str, Any], key: str) -> str:
+        return "-" if run.get(key) is None else f"{run[key]:.1f}"
 
-    return (f"{r['completed']} done, {r['failed']} failed: output {r['output_tok_s']:.0f} "
-            f"tok/s, TTFT p50/p99 {ms('ttft_median_ms')}/{ms('ttft_p99_ms')} ms, TPOT p50/p99 "
-            f"{ms('tpot_median_ms')}/{ms('tpot_p99_ms')} ms (bench.txt)")
+    parts = []
+    for name, run in r["runs"].items():
+        parts.append(
+            f"{name} ({run['prompts']} × {run['input_len']}+{run['output_len']}): "
+            f"{run['completed']} done, {run['failed']} failed, output {run['output_tok_s']:.0f} "
+            f"tok/s ({_roof(run['output_fraction'])} of its floor "
+            f"{run['floor_output_tok_s']:.0f}), TTFT p50 {ms(run, 'ttft_median_ms')} ms, TPOT "
+            f"p50 {ms(run, 'tpot_median_ms')} ms (floor {run['tpot_floor_ms']:.2f}), ITL p99 "
+            f"{ms(run, 'itl_p99_ms')} ms")
+    return f"server ready in {r['ready_s']} s; " + "; ".join(parts) + " (bench.txt)"
 
 
 _FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {

@@ -52,8 +52,6 @@ def test_every_stage_runs_and_parity_holds(dry_run: tuple[int, Path, str]) -> No
     # the GPU's code paths rehearsed: graphs (their stand-in) replayed, but not when eager
     assert throughput["engine_async"]["graph_replays"] > 0
     assert throughput["engine_eager"]["graph_replays"] == 0
-    assert stages["serve"]["completed"] == DRY_SIZES.serve_prompts
-    assert stages["serve"]["failed"] == 0
 
 
 def test_the_graph_loop_replays_the_eager_loop(dry_run: tuple[int, Path, str]) -> None:
@@ -70,7 +68,8 @@ def test_the_graph_loop_replays_the_eager_loop(dry_run: tuple[int, Path, str]) -
     assert graph["replay"]["dtype"] == "bfloat16" and graph["replay_float32"]["dtype"] == "float32"
 
 
-def test_profile_records_its_floor_and_targets(dry_run: tuple[int, Path, str]) -> None:
+def test_profile_and_serve_record_their_floors_and_targets(
+        dry_run: tuple[int, Path, str]) -> None:
     _, out, _ = dry_run
     stages = json.loads((out / "gpu_check.json").read_text())["stages"]
     profile = stages["profile"]
@@ -79,8 +78,17 @@ def test_profile_records_its_floor_and_targets(dry_run: tuple[int, Path, str]) -
     assert {t["name"] for t in profile["targets"]} >= {
         f"decode step at batch {DRY_SIZES.batch}", "GPU kernels a decode step",
         "host time of a mixed step (prefill + decodes)"}
+    serve = stages["serve"]
+    assert list(serve["runs"]) == [run.name for run in DRY_SIZES.serve_runs]
+    for run in DRY_SIZES.serve_runs:
+        figures = serve["runs"][run.name]
+        assert figures["completed"] == run.prompts and figures["failed"] == 0
+        assert figures["floor_output_tok_s"] > 0 and figures["tpot_floor_ms"] > 0
+        assert len(figures["targets"]) == len(run.targets)
     # the CPU's figures are not the GPU's: nothing is judged against the GPU's targets
     assert all(t["met"] is None for s in stages.values() for t in s.get("targets", []))
+    assert set(json.loads((out / "bench_serve.json").read_text())) == {
+        run.name for run in DRY_SIZES.serve_runs}
 
 
 def test_it_leaves_the_files_the_device_run_brings_back(dry_run: tuple[int, Path, str]) -> None:
