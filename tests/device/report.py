@@ -147,7 +147,7 @@ def _kernels(r: dict[str, Any]) -> str:
 
 
 def _roof(fraction: float | None) -> str:
-    return "-" if fraction is None else f"{fraction:.2f}×"
+    return "-" if fraction is None else f"{fraction:.2g}×"
 
 
 def _throughput(r: dict[str, Any]) -> str:
