@@ -36,10 +36,12 @@ from transformers import StaticCache
 
 WARMUPS = 2  # eager runs of the step before its capture (on a side stream on the GPU)
 # The verdict (`replays_eager`). float32 rounds at ~1e-7, so its logits differ by ~1e-6 at most
-# between two orders of summation, and a near-tie flips about once in 1e5 rows; a capture that
-# is wrong (a position, a cache slot, a stale input) moves them by 1e-3 or more. bf16 rounds at
-# ~4e-3: a few of those through 16 layers stay under 0.1, a wrong capture is off by ~1.
-EXACT_FREE_RUNNING = 0.99
+# between two orders of summation, and a near-tie flips about once in 1e4-1e5 rows: over 64 rows
+# x 127 steps maybe once, and free running that one row then parts for good (up to 1/64 of the
+# tokens), hence 0.9 there; warm-ups left in the state part every row at once. A capture that
+# is wrong (a position, a cache slot, a stale input) moves the logits by 1e-3 or more. bf16
+# rounds at ~4e-3: a few of those through 16 layers stay under 0.1, a wrong capture is off by ~1.
+EXACT_FREE_RUNNING = 0.9
 EXACT_LOCKSTEP = 0.999
 EXACT_REL_ERROR = 1e-4
 SERVED_REL_ERROR = 0.1
