@@ -87,15 +87,15 @@ def bare_loops(ctx: Context, warm: list[list[int]],
     baselines: dict[str, dict[str, Any]] = {"hf_static_eager": eager}
     try:
         graph, graph_tokens = timed_loop(model, prompts, s.output_len, graphs=True)
+        baselines["hf_static_graph"] = graph
         graph["replay"] = replay_check(model, prompts, s.output_len - 1,
                                        (eager_tokens, graph_tokens))
         ctx.release(DTYPE)
         graph["replay_float32"] = replay_check(ctx.hf_model("float32"), prompts,
                                                s.output_len - 1)
         graph["replays_eager"] = replays_eager(graph["replay_float32"], graph["replay"])
-        baselines["hf_static_graph"] = graph
     except Exception as exc:  # recorded; the eager loop still gives a ratio
-        baselines["hf_static_graph"] = {"error": f"{type(exc).__name__}: {exc}"}
+        baselines.setdefault("hf_static_graph", {})["error"] = f"{type(exc).__name__}: {exc}"
     finally:
         ctx.release()
     used = ("hf_static_graph" if baselines["hf_static_graph"].get("replays_eager")

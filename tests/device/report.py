@@ -160,7 +160,7 @@ def _throughput(r: dict[str, Any]) -> str:
 
     base = r["baselines"][r["baseline_used"]]
     graph = r["baselines"].get("hf_static_graph", {})
-    if "replay" in graph:
+    if "replays_eager" in graph:
         exact, served = graph["replay_float32"], graph["replay"]
         replay = (f"graph loop vs eager: float32 {exact['free_running_agreement']:.1%} free "
                   f"running, {exact['lockstep_agreement']:.1%} step by step (logits within "
