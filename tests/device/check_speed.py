@@ -1,39 +1,40 @@
 """The engine in-process against a bare forward loop of the same model, and a profile of its
-decode steps.
+decode steps, each beside its roofline (tests/device/roofline.py) and issue 39's targets.
 
 Throughput, as tests/bench/engine_throughput.py measures it (all requests added at once, greedy,
 ignore_eos), at the device's dtype: the engine (with its CUDA graphs, the default; eager,
---enforce-eager; and with graphs and overlapped steps, --async-scheduling) against
-transformers' own model with a static KV cache (`StaticCache`), one batched prefill then one
-forward + argmax per token, its decode step captured once as a CUDA graph and replayed (on the
-CPU, and whenever the capture fails, the same loop run eagerly). Every side gets a warm-up
-first. The ratio is the figure to compare. For each engine, per decode-only step: the host's
-time before it waits for the device, and the time it waits (`StepClock`).
+--enforce-eager; and with graphs and overlapped steps, --async-scheduling) against the bare
+loop of tests/device/graph_loop.py (transformers' model with a static KV cache, one batched
+prefill then one forward + argmax per token, its decode step captured once as a graph and
+replayed; the same loop eagerly). The graph loop is the anchor only where its replays give the
+eager loop's tokens (`graph_loop.replays_eager`, checked in float32 and in the device's dtype);
+else the eager loop is. Every side gets a warm-up first. For each engine, per decode-only step:
+the host's time before it waits for the device, and the time it waits (`StepClock`).
 
 Profile: `batch` requests prefilled, then decode-only steps timed without the profiler and a
-few under torch.profiler: the GPU's busy time per step (its kernels, and its copies) against
-the step's wall time gives the share of a decode step spent outside GPU kernels.
+few under torch.profiler: the GPU's busy time and kernel launches per step, the share of a
+decode step spent outside GPU kernels; then a few mixed steps (a new prompt's prefill beside
+the decodes, which the engine runs eagerly today) for their host time.
 """
 
 from __future__ import annotations
 
-import inspect
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
-from transformers import StaticCache
 
 from engine_core.engine import EngineCore
 from engine_core.layers.host_link import Download
 from shared.messages import SamplingParams, StepOutputs
 from tests.bench.engine_throughput import make_prompts
-from tests.device.context import VARIANTS, Context, EngineRunError
+from tests.device.context import VARIANTS, Context, EngineRunError, sampled
+from tests.device.graph_loop import replay_check, replays_eager, timed_loop
+from tests.device.roofline import ModelShape, fraction
+from tests.device.targets import all_met, target
 
 DTYPE = "bfloat16"  # the GPU's serving dtype; the dry run runs it too, on the CPU
 TARGET_RATIO = 0.9
@@ -49,34 +50,71 @@ def throughput(ctx: Context) -> dict[str, Any]:
         prompts = make_prompts(s.batch, s.input_len, vocab, seed=12)  # new to the prefix cache
         drive(core, warm, 4, "warm")
         engines[variant] = drive(core, prompts, s.output_len, "tp")
-        graphs = core.runner.graphs
-        engines[variant]["graph_replays"] = sum(graphs.replays.values()) if graphs else 0
+        engines[variant]["graph_replays"] = _graph_replays(core) or 0
         ctx.release(DTYPE)  # one engine's KV cache at a time
-    model = ctx.hf_model(DTYPE)
-    hf_loop(model, warm, 2, graphs=False)  # warm-up
-    eager, eager_tokens = hf_loop(model, prompts, s.output_len, graphs=False)
-    baselines: dict[str, dict[str, Any]] = {"hf_static_eager": eager}
-    if ctx.device == "cuda":
-        try:
-            graph, graph_tokens = hf_loop(model, prompts, s.output_len, graphs=True)
-            # the same kernels replayed: the same tokens, unless the capture went wrong
-            graph["tokens_match_eager"] = float((graph_tokens == eager_tokens).float().mean())
-            baselines["hf_static_cuda_graph"] = graph
-        except Exception as exc:  # recorded; the eager loop still gives a ratio
-            baselines["hf_static_cuda_graph"] = {"error": f"{type(exc).__name__}: {exc}"}
-    # the target is against the graph loop, when its capture ran and replays what eager computes
-    graph_ok = baselines.get("hf_static_cuda_graph", {}).get("tokens_match_eager", 0) >= 0.95
-    used = "hf_static_cuda_graph" if graph_ok else "hf_static_eager"
+    baselines, used = bare_loops(ctx, warm, prompts)
     base = baselines[used]
+    shape = ModelShape.of_model(ctx.model, DTYPE)
+    for figures in (*engines.values(), *(b for b in baselines.values() if "tok_s" in b)):
+        figures["roofline"] = loop_roofline(shape, s.batch, s.input_len, s.output_len, figures)
     ratios = {v: e["tok_s"] / base["tok_s"] for v, e in engines.items()}
     engine = engines["graphs"]
+    anchored = used == "hf_static_graph"
+    cuda = ctx.device == "cuda"
+    targets = [target("the graph loop replays the eager loop", float(anchored), ">=", 1.0,
+                      "yes/no", cuda),
+               target("engine tok/s over the graph loop's (best variant)",
+                      max(ratios.values()) if anchored else None, ">=", TARGET_RATIO, "×",
+                      cuda)]
     return {"dtype": DTYPE, "batch": s.batch, "input_len": s.input_len,
             "output_len": s.output_len, "engine": engine, "engine_eager": engines["eager"],
             "engine_async": engines["async"], "baselines": baselines, "baseline_used": used,
             "ratio": ratios["graphs"], "ratio_eager": ratios["eager"],
             "ratio_async": ratios["async"],
             "decode_ratio": engine["decode_tok_s"] / base["decode_tok_s"],
-            "passed": max(ratios.values()) >= TARGET_RATIO if graph_ok else None}
+            "targets": targets, "passed": all_met(targets)}
+
+
+def bare_loops(ctx: Context, warm: list[list[int]],
+               prompts: list[list[int]]) -> tuple[dict[str, dict[str, Any]], str]:
+    """The bare loop eagerly and from its graph, in the device's dtype, and the check that
+    the graph replays the eager loop (also in float32: `graph_loop.replays_eager`); which of
+    the two is the anchor."""
+    s = ctx.sizes
+    model = ctx.hf_model(DTYPE)
+    timed_loop(model, warm, 2, graphs=False)  # warm-up
+    eager, eager_tokens = timed_loop(model, prompts, s.output_len, graphs=False)
+    baselines: dict[str, dict[str, Any]] = {"hf_static_eager": eager}
+    try:
+        graph, graph_tokens = timed_loop(model, prompts, s.output_len, graphs=True)
+        baselines["hf_static_graph"] = graph
+        graph["replay"] = replay_check(model, prompts, s.output_len - 1,
+                                       (eager_tokens, graph_tokens))
+        ctx.release(DTYPE)
+        graph["replay_float32"] = replay_check(ctx.hf_model("float32"), prompts,
+                                               s.output_len - 1)
+        graph["replays_eager"] = replays_eager(graph["replay_float32"], graph["replay"])
+    except Exception as exc:  # recorded; the eager loop still gives a ratio
+        baselines.setdefault("hf_static_graph", {})["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        ctx.release()
+    used = ("hf_static_graph" if baselines["hf_static_graph"].get("replays_eager")
+            else "hf_static_eager")
+    return baselines, used
+
+
+def loop_roofline(shape: ModelShape, batch: int, input_len: int, output_len: int,
+                  figures: dict[str, Any]) -> dict[str, Any]:
+    """A run's figures against its floor: the decode step at its mean context over the memory
+    bandwidth, the whole run (prefill at the FLOP peak, then the decode steps)."""
+    step_floor = shape.decode_step_floor_s(batch, input_len + output_len / 2)
+    run_floor = shape.run_floor_s(batch, batch, input_len, output_len)
+    decode_tok_s = figures["decode_tok_s"]
+    step_s = batch / decode_tok_s if decode_tok_s else 0.0
+    return {"decode_step_ms": 1e3 * step_s, "decode_step_floor_ms": 1e3 * step_floor,
+            "decode_fraction": fraction(step_floor, step_s),
+            "run_floor_tok_s": batch * output_len / run_floor,
+            "run_fraction": fraction(run_floor, batch * output_len / figures["tok_s"])}
 
 
 class StepClock:
@@ -152,78 +190,12 @@ def drive(core: EngineCore, prompts: list[list[int]], output_len: int,
             "decode_wait_ms": 1e3 * float(np.median(waits)) if waits else 0.0}
 
 
-@torch.inference_mode()
-def hf_loop(model: Any, prompts: list[list[int]], output_len: int,
-            graphs: bool) -> tuple[dict[str, float], torch.Tensor]:
-    """transformers' model alone: a batched prefill into a StaticCache, then one forward +
-    argmax per token, replayed from a CUDA graph when `graphs`. Figures, and the greedy
-    tokens [batch, output_len]."""
-    ids = torch.tensor(prompts, device=model.device)
-    batch, length = ids.shape
-    cache = StaticCache(config=model.config, max_cache_len=length + output_len)
-    cache_arg = {_cache_kwarg(model): cache}
-    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_arg).logits
-    token = logits[:, -1].argmax(-1, keepdim=True)
-    sync()
-    prefill_s = time.perf_counter() - start
-    positions = torch.full((batch, 1), length, dtype=torch.long, device=ids.device)
-
-    def step() -> None:
-        out = model(input_ids=token, position_ids=positions, use_cache=True, **cache_arg)
-        token.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
-        positions.add_(1)
-
-    run = step
-    if graphs:
-        layers: list[Any] = list(cache.layers)  # StaticLayer: cumulative_length on the device
-        state = [token, positions, *(layer.cumulative_length for layer in layers)]
-        run = capture(step, state).replay
-    history = [token.clone()]
-    sync()
-    start = time.perf_counter()
-    for _ in range(output_len - 1):
-        run()
-        history.append(token.clone())
-    sync()
-    decode_s = time.perf_counter() - start
-    figures = {"prefill_s": prefill_s, "decode_s": decode_s,
-               "tok_s": batch * output_len / (prefill_s + decode_s),
-               "decode_tok_s": batch * (output_len - 1) / decode_s if decode_s else 0.0}
-    return figures, torch.cat(history, dim=1)
-
-
-def capture(step: Callable[[], None], state: list[torch.Tensor]) -> torch.cuda.CUDAGraph:
-    """`step` as a CUDA graph. The warm-up runs advance `state` (tokens, positions, the cache's
-    lengths): it is put back as it was, so the replays continue where the prefill left off."""
-    saved = [t.clone() for t in state]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # engine threads idle
-        step()
-    for tensor, value in zip(state, saved):
-        tensor.copy_(value)
-    return graph
-
-
-def _cache_kwarg(model: Any) -> str:
-    """transformers renamed `past_key_values` to `cache` (5.17 has the old name, 5.24 the new)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else \
-        "past_key_values"
-
-
 def profile(ctx: Context) -> dict[str, Any]:
     s = ctx.sizes
     core = ctx.engine(DTYPE)
-    prompts = make_prompts(s.batch, s.input_len, core.facts.vocab_size, seed=13)
-    params = SamplingParams(max_tokens=2 * s.timed_steps + s.profile_steps + 4,
+    vocab = core.facts.vocab_size
+    prompts = make_prompts(s.batch, s.input_len, vocab, seed=13)
+    params = SamplingParams(max_tokens=2 * s.timed_steps + s.profile_steps + s.mixed_steps + 4,
                             temperature=0.0, ignore_eos=True)
     errors = core.stats().step_errors
     for i, prompt in enumerate(prompts):
@@ -239,6 +211,7 @@ def profile(ctx: Context) -> dict[str, Any]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch_profile(activities=activities) as prof:
         profiled = [_timed_step(core) for _ in range(s.profile_steps)]
+    mixed = mixed_steps(core, make_prompts(s.mixed_steps, s.input_len, vocab, seed=14))
     while core.has_work:
         core.step()
     if core.stats().step_errors != errors:
@@ -246,25 +219,56 @@ def profile(ctx: Context) -> dict[str, Any]:
     figures = step_figures(prof.key_averages(), walls, profiled, s.profile_steps)
     figures["host_ms"] = 1e3 * float(np.median([h for h, _ in split]))
     figures["wait_ms"] = 1e3 * float(np.median([w for _, w in split]))
+    # the walls' median step: the prompt, the prefill's token, the untimed step, the split
+    context = s.input_len + 2 + s.timed_steps + s.timed_steps // 2
+    floor_s = ModelShape.of_model(ctx.model, DTYPE).decode_step_floor_s(s.batch, context)
+    figures |= {"context": context, "floor_ms": 1e3 * floor_s,
+                "roofline_fraction": fraction(1e3 * floor_s, figures["wall_ms"]), **mixed}
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70)
     header = "\n".join(f"{k}: {v}" for k, v in figures.items())
     (ctx.out / "profile.txt").write_text(
         f"{s.profile_steps} decode steps at batch {s.batch}, {DTYPE} on {ctx.device}\n"
         f"{header}\n\n{table}\n")
-    return {"batch": s.batch, "steps": s.profile_steps, **figures,
-            "passed": figures.get("outside_gpu_share", 1.0) < 0.1 if cuda else None}
+    targets = [
+        target(f"decode step at batch {s.batch}", figures["wall_ms"], "<=", 1.2, "ms", cuda),
+        target("decode step over its memory roofline", figures["roofline_fraction"], ">=",
+               0.6, "×", cuda),
+        target("GPU kernels a decode step", figures.get("kernels_per_step"), "<=", 200, "",
+               cuda),
+        target("decode step outside GPU kernels", figures.get("outside_gpu_share"), "<=", 0.1,
+               "share", cuda),
+        target("host time of a mixed step (prefill + decodes)", figures["mixed_host_ms"], "<=",
+               2.5, "ms", cuda)]
+    return {"batch": s.batch, "steps": s.profile_steps, **figures, "targets": targets,
+            "passed": all_met(targets)}
 
 
-def sampled(outputs: dict[bytes, StepOutputs], started: set[str] | None) -> int:
-    """How many tokens a step's outputs carry; the requests that got one join `started`."""
-    count = 0
-    for out in outputs.values():
-        ids = np.frombuffer(out.token_ids, dtype=np.int32)
-        count += int((ids >= 0).sum())
-        if started is not None:
-            started.update(r for r, t in zip(out.req_ids, ids) if t >= 0)
-    return count
+def mixed_steps(core: EngineCore, prompts: list[list[int]]) -> dict[str, Any]:
+    """Steps that take a new prompt's whole prefill beside the running decodes, one prompt a
+    step: their host time before the wait, their wall time, and how many graph replays they
+    made (none while mixed steps run eagerly)."""
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    replays = _graph_replays(core)
+    hosts, walls = [], []
+    with StepClock() as clock:
+        for i, prompt in enumerate(prompts):
+            core.add_request(f"mixed{i}", prompt, params)
+            start = time.perf_counter()
+            _, host, _ = clock.step(core)
+            walls.append(time.perf_counter() - start)
+            hosts.append(host)
+    after = _graph_replays(core)
+    return {"mixed_steps": len(prompts), "mixed_host_ms": 1e3 * float(np.median(hosts)),
+            "mixed_wall_ms": 1e3 * float(np.median(walls)),
+            "mixed_graph_replays": None if replays is None or after is None else after - replays}
+
+
+def _graph_replays(core: EngineCore) -> int | None:
+    """The runner's graph replays so far, where it counts them."""
+    graphs = getattr(core.runner, "graphs", None)
+    replays = getattr(graphs, "replays", None)
+    return sum(replays.values()) if isinstance(replays, dict) else None
 
 
 def _timed_step(core: EngineCore) -> float:

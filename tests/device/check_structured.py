@@ -6,7 +6,10 @@ engine tests' JSON schemas, a regex, a choice — at temperature 0 and 0.8: an o
 max_tokens is a prefix a fresh matcher accepts token by token; a greedy token is the masked
 argmax of the raw logits (no allowed token of the raw top-20 ranks above it). Then the median
 decode step of a whole batch of free requests against one of constrained requests (the grammars
-compiled in advance): what the grammar work costs a step.
+compiled in advance): what the grammar work costs a step. The constrained rows there run
+grammars no output of max_tokens tokens can complete (`long_constraints`), so every row stays
+to the end and every step after the prefill decodes the whole batch (with the engine tests'
+grammars, most rows finished within a few tokens and no step was ever full).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from transformers import AutoTokenizer
 
 from engine_core.engine import EngineCore
 from shared.messages import SamplingParams, StructuredOutput
-from tests.device.context import Context, check_run
+from tests.device.context import Context, EngineRunError, check_run, sampled
 from tests.engine.driver import Collected, run
 from tests.engine.test_structured import CHOICES, REGEX, SCHEMAS
 
@@ -67,7 +70,7 @@ def structured(ctx: Context) -> dict[str, Any]:
                              "text": tokenizer.decode(result.token_ids)[:200]})
     stats = core.stats()
     leaked = stats.num_blocks - stats.free_blocks
-    speed = constrained_speed(ctx, core, prompt, checks)
+    speed = constrained_speed(ctx, core, prompt)
     return {"dtype": DTYPE, "requests": len(results), "finished": finished,
             "failures": failures[:5], "blocks_in_use_after": leaked, **speed,
             "passed": not failures and not leaked and finished["stop"] > 0}
@@ -105,37 +108,58 @@ def judge(core: EngineCore, tokenizer: Any, constraint: StructuredOutput, check:
     return None
 
 
-def constrained_speed(ctx: Context, core: EngineCore, prompt: list[int],
-                      checks: dict[str, tuple[StructuredOutput, Any]]) -> dict[str, Any]:
-    """The median decode step at the full batch, every row free against every row constrained
-    (the grammars compiled by the check above): the grammar work's cost per step."""
-    kinds = [c for c, _ in checks.values()]
-    free = decode_step_ms(ctx, core, prompt, lambda i: None)
-    constrained = decode_step_ms(ctx, core, prompt, lambda i: kinds[i % len(kinds)])
+def long_constraints(tokens: int) -> list[StructuredOutput]:
+    """JSON arrays of more items than `tokens`, each item at least one token (a number, a word:
+    Llama 3's pre-tokenizer never puts digits or letters in one token with punctuation), so no
+    output of `tokens` tokens can complete them: a constrained row ends by max_tokens alone."""
+    items = tokens + 1
+    schemas: list[dict[str, Any]] = [
+        {"type": "integer"}, {"type": "boolean"}, {"enum": ["red", "green", "blue"]},
+        {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}]
+    return [StructuredOutput("json", json.dumps({"type": "array", "items": item,
+                                                 "minItems": items}))
+            for item in schemas]
+
+
+def constrained_speed(ctx: Context, core: EngineCore, prompt: list[int]) -> dict[str, Any]:
+    """The median decode step at the full batch, every row free against every row constrained:
+    the grammar work's cost per step. Each constraint is compiled before it is timed."""
+    kinds = long_constraints(ctx.sizes.structured_new_tokens)
+    for constraint in kinds:
+        core.grammars.grammar_for(constraint).wait(120)
+    free, free_steps = decode_step_ms(ctx, core, prompt, lambda i: None)
+    constrained, steps = decode_step_ms(ctx, core, prompt, lambda i: kinds[i % len(kinds)])
     return {"batch": ctx.sizes.batch, "free_step_ms": round(free, 3),
             "constrained_step_ms": round(constrained, 3),
-            "constrained_over_free": round(free / constrained, 3)}
+            "constrained_over_free": round(free / constrained, 3),
+            "full_steps": min(free_steps, steps)}
 
 
 def decode_step_ms(ctx: Context, core: EngineCore, prompt: list[int],
-                   structured: Any) -> float:
-    """Median time of the steps that decode the whole batch, past the first two (prefill)."""
-    batch = ctx.sizes.batch
+                   structured: Any) -> tuple[float, int]:
+    """Median time of the steps that decode the whole batch (every row already had its first
+    token and gets one more), and how many there were: the rows must stay for the whole
+    measurement, all but the prefill's steps and the last few (rows whose prefill ended a step
+early finish a step early)."""
+    batch, tokens = ctx.sizes.batch, ctx.sizes.structured_new_tokens
+    errors = core.stats().step_errors
     for i in range(batch):
         core.add_request(f"speed{i}", prompt + [i + 10], SamplingParams(
-            max_tokens=ctx.sizes.structured_new_tokens, temperature=0.0, ignore_eos=True,
-            structured=structured(i)))
+            max_tokens=tokens, temperature=0.0, ignore_eos=True, structured=structured(i)))
     times: list[float] = []
-    steps = 0
+    started: set[str] = set()
     while core.has_work:
-        full = len(core.scheduler.running) == batch
+        before = len(started)
         ctx.sync()
         start = time.perf_counter()
-        core.step()
+        outputs = core.step()
         ctx.sync()
-        steps += 1
-        if full and steps > 2 and len(core.scheduler.running) == batch:
-            times.append(time.perf_counter() - start)
-    if not times:
-        raise RuntimeError("no step decoded the whole batch")
-    return statistics.median(times) * 1000
+        elapsed = time.perf_counter() - start
+        if sampled(outputs, started) == batch and before == batch:
+            times.append(elapsed)
+    if core.stats().step_errors != errors:
+        raise EngineRunError(f"{core.stats().step_errors - errors} engine step(s) failed")
+    if len(times) < tokens // 2:
+        raise EngineRunError(f"{len(times)} of {tokens - 1} decode steps decoded the whole "
+                             "batch: rows left before the end")
+    return statistics.median(times) * 1000, len(times)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine_core.config import EngineConfig
@@ -22,10 +23,24 @@ from engine_core.engine import EngineCore
 from engine_core.worker.cuda_graphs import capture_sizes
 from engine_core.worker.default_model import TinySpec
 from engine_core.worker.platform import Platform
+from shared.messages import StepOutputs
 from tests.engine.driver import Collected
 
 VARIANTS = ("graphs", "eager", "async")  # CUDA graphs (the default), --enforce-eager, both
 # graphs and --async-scheduling
+
+
+@dataclass(frozen=True)
+class ServeRun:
+    """One `tandem bench serve` run against the served model, and what it should reach on the
+    GPU: (figure of check_serve.summary_figures, "<=" or ">=", bound)."""
+
+    name: str
+    concurrency: int
+    prompts: int
+    input_len: int
+    output_len: int
+    targets: tuple[tuple[str, str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -44,14 +59,12 @@ class Sizes:
     output_len: int
     timed_steps: int  # profile: decode steps timed without the profiler
     profile_steps: int  # ... and under it
-    serve_concurrency: int
-    serve_prompts: int
-    serve_input_len: int
-    serve_output_len: int
+    serve_runs: tuple[ServeRun, ...]  # one after another, against one server
     serve_kv_cache_bytes: int | None  # None: the engine's own sizing (--gpu-memory-utilization)
     time_limit_s: float
     threads: int | None = None  # torch threads of the engines (None: torch's choice)
     structured_new_tokens: int = 96  # each constrained request's max_tokens
+    mixed_steps: int = 3  # profile: steps that take a new prompt's prefill beside the decodes
     max_model_len: int | None = None  # the in-process engines' (None: the model's)
     # the kernels stage's (decodes, context) cases
     # the last: a context that fills neither a block (16) nor a tile (64), for the masking
@@ -147,3 +160,14 @@ def check_run(core: EngineCore, results: dict[str, Collected], max_tokens: dict[
             problems.append(f"{rid}: finished {got.finish!r} ({got.message or ''})")
     if problems:
         raise EngineRunError(f"{len(problems)} problem(s): " + "; ".join(problems[:5]))
+
+
+def sampled(outputs: dict[bytes, StepOutputs], started: set[str] | None) -> int:
+    """How many tokens a step's outputs carry; the requests that got one join `started`."""
+    count = 0
+    for out in outputs.values():
+        ids = np.frombuffer(out.token_ids, dtype=np.int32)
+        count += int((ids >= 0).sum())
+        if started is not None:
+            started.update(r for r, t in zip(out.req_ids, ids) if t >= 0)
+    return count

@@ -76,9 +76,33 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | {ran} | {verdict} | {record.get('seconds', '')} | {figures} |")
         if "error" in record:
             errors.append(f"- {name}: {record['error']}")
+    lines += _targets(report["stages"])
     if errors:
         lines += ["", "Errors (tracebacks in gpu_check.json):", *errors]
     return "\n".join(lines) + "\n"
+
+
+def _targets(stages: dict[str, Any]) -> list[str]:
+    """One row per target a stage judged (issue 39's): measured, bound, met."""
+    rows = []
+    for name, record in stages.items():
+        for t in record.get("targets", []) if record["ok"] else []:
+            met = {True: "met", False: "missed", None: "-"}[t["met"]]
+            op = "" if t["unit"] == "yes/no" else {"<=": "≤ ", ">=": "≥ "}[t["op"]]
+            rows.append(f"| {name} | {t['name']} | {_value(t['value'], t['unit'])} | "
+                        f"{op}{_value(t['bound'], t['unit'])} | {met} |")
+    if not rows:
+        return []
+    return ["", "| stage | target | measured | bound | met |", "|---|---|---|---|---|", *rows]
+
+
+def _value(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "yes/no":
+        return "yes" if value else "no"
+    text = f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+    return f"{text} {unit}".strip()
 
 
 def _build(r: dict[str, Any]) -> str:
@@ -105,9 +129,10 @@ def _leak(r: dict[str, Any]) -> str:
 def _structured(r: dict[str, Any]) -> str:
     return (f"{r['requests']} constrained requests ({r['dtype']}): {r['finished']['stop']} "
             f"complete and valid, {r['finished']['length']} cut by max_tokens, "
-            f"{len(r['failures'])} wrong; decode step at batch {r['batch']}: free "
-            f"{r['free_step_ms']:.2f} ms, constrained {r['constrained_step_ms']:.2f} ms "
-            f"({r['constrained_over_free']:.2f}× the speed){_leak(r)}")
+            f"{len(r['failures'])} wrong; decode step at batch {r['batch']} ({r['full_steps']} "
+            f"full steps): free {r['free_step_ms']:.2f} ms, constrained "
+            f"{r['constrained_step_ms']:.2f} ms ({r['constrained_over_free']:.2f}× the "
+            f"speed){_leak(r)}")
 
 
 def _kernels(r: dict[str, Any]) -> str:
@@ -121,37 +146,66 @@ def _kernels(r: dict[str, Any]) -> str:
     return "; ".join(parts) + (f"; fallbacks for later stages: {fallbacks}" if fallbacks else "")
 
 
+def _roof(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:.2g}×"
+
+
 def _throughput(r: dict[str, Any]) -> str:
-    base = r["baselines"][r["baseline_used"]]
-
     def one(label: str, e: dict[str, Any], ratio: float) -> str:
+        roof = e["roofline"]
         return (f"{label} {e['tok_s']:.0f} tok/s ({e['decode_tok_s']:.0f} decoding, ratio "
-                f"{ratio:.2f}; per decode step host {e['decode_host_ms']:.2f} ms + wait "
-                f"{e['decode_wait_ms']:.2f} ms)")
+                f"{ratio:.2f}; decode step {roof['decode_step_ms']:.2f} ms = "
+                f"{_roof(roof['decode_fraction'])} its roofline; per decode step host "
+                f"{e['decode_host_ms']:.2f} ms + wait {e['decode_wait_ms']:.2f} ms)")
 
+    base = r["baselines"][r["baseline_used"]]
+    graph = r["baselines"].get("hf_static_graph", {})
+    if "replays_eager" in graph:
+        exact, served = graph["replay_float32"], graph["replay"]
+        replay = (f"graph loop vs eager: float32 {exact['free_running_agreement']:.1%} free "
+                  f"running, {exact['lockstep_agreement']:.1%} step by step (logits within "
+                  f"{exact['max_rel_logit_error']:.1e}); {served['dtype']} "
+                  f"{served['free_running_agreement']:.1%} free running, "
+                  f"{served['lockstep_agreement']:.1%} step by step (within "
+                  f"{served['max_rel_logit_error']:.1e})")
+    else:
+        replay = f"graph loop: {graph.get('error', 'not run')}"
     return (f"batch {r['batch']}, {r['input_len']}+{r['output_len']}: "
             f"{one('engine+graphs', r['engine'], r['ratio'])}, "
             f"{one('eager', r['engine_eager'], r['ratio_eager'])}, "
             f"{one('graphs+async', r['engine_async'], r['ratio_async'])} vs "
-            f"{r['baseline_used']} {base['tok_s']:.0f} ({base['decode_tok_s']:.0f}) (≥ 0.9)")
+            f"{r['baseline_used']} {base['tok_s']:.0f} ({base['decode_tok_s']:.0f}); "
+            f"{replay}")
 
 
 def _profile(r: dict[str, Any]) -> str:
-    text = (f"decode step {r['wall_ms']:.2f} ms at batch {r['batch']} (host "
+    text = (f"decode step {r['wall_ms']:.2f} ms at batch {r['batch']}, context {r['context']} "
+            f"(floor {r['floor_ms']:.2f} ms: {_roof(r['roofline_fraction'])}; host "
             f"{r.get('host_ms', 0):.2f} ms before the wait, {r.get('wait_ms', 0):.2f} ms in it)")
     if "gpu_kernel_ms" in r:
         text += (f", GPU kernels {r['gpu_kernel_ms']:.2f} ms ({r['kernels_per_step']:.0f} "
-                 f"launches): {r['outside_gpu_share']:.0%} outside kernels (< 10%)")
+                 f"launches): {r['outside_gpu_share']:.0%} outside kernels")
+    replays = r.get("mixed_graph_replays")
+    text += (f"; {r['mixed_steps']} mixed steps (a prompt's prefill beside the decodes): host "
+             f"{r['mixed_host_ms']:.2f} ms, wall {r['mixed_wall_ms']:.2f} ms"
+             + ("" if replays is None else f", {replays} graph replays"))
     return text + "; table in profile.txt"
 
 
 def _serve(r: dict[str, Any]) -> str:
-    def ms(key: str) -> str:
-        return "-" if r.get(key) is None else f"{r[key]:.1f}"
+    def ms(run: dict[str, Any], key: str) -> str:
+        return "-" if run.get(key) is None else f"{run[key]:.1f}"
 
-    return (f"{r['completed']} done, {r['failed']} failed: output {r['output_tok_s']:.0f} "
-            f"tok/s, TTFT p50/p99 {ms('ttft_median_ms')}/{ms('ttft_p99_ms')} ms, TPOT p50/p99 "
-            f"{ms('tpot_median_ms')}/{ms('tpot_p99_ms')} ms (bench.txt)")
+    parts = []
+    for name, run in r["runs"].items():
+        parts.append(
+            f"{name} ({run['prompts']} × {run['input_len']}+{run['output_len']}): "
+            f"{run['completed']} done, {run['failed']} failed, output {run['output_tok_s']:.0f} "
+            f"tok/s ({_roof(run['output_fraction'])} of its floor "
+            f"{run['floor_output_tok_s']:.0f}), TTFT p50 {ms(run, 'ttft_median_ms')} ms, TPOT "
+            f"p50 {ms(run, 'tpot_median_ms')} ms (floor {run['tpot_floor_ms']:.2f}), ITL p99 "
+            f"{ms(run, 'itl_p99_ms')} ms")
+    return f"server ready in {r['ready_s']} s; " + "; ".join(parts) + " (bench.txt)"
 
 
 _FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {

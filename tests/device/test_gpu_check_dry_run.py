@@ -41,15 +41,54 @@ def test_every_stage_runs_and_parity_holds(dry_run: tuple[int, Path, str]) -> No
     assert set(stages["kernels"]["kernels"]) == {"flash_varlen", "triton_decode", "write_kv"}
     assert stages["parity_fp32"]["passed"] and stages["parity_fp32"]["chunked_prefills"] > 0
     assert stages["parity_bf16"]["passed"]
-    assert stages["structured"]["passed"] and stages["structured"]["finished"]["stop"] > 0
+    structured = stages["structured"]
+    assert structured["passed"] and structured["finished"]["stop"] > 0
+    # the speed's rows stay to the end: every step after the prefill decodes the whole batch
+    assert structured["full_steps"] >= DRY_SIZES.structured_new_tokens - 3
     throughput = stages["throughput"]
     for variant in ("engine", "engine_eager", "engine_async"):
         assert throughput[variant]["tokens"] == DRY_SIZES.batch * DRY_SIZES.output_len
+        assert 0 < throughput[variant]["roofline"]["decode_step_floor_ms"]
     # the GPU's code paths rehearsed: graphs (their stand-in) replayed, but not when eager
     assert throughput["engine_async"]["graph_replays"] > 0
     assert throughput["engine_eager"]["graph_replays"] == 0
-    assert stages["serve"]["completed"] == DRY_SIZES.serve_prompts
-    assert stages["serve"]["failed"] == 0
+
+
+def test_the_graph_loop_replays_the_eager_loop(dry_run: tuple[int, Path, str]) -> None:
+    """The anchor's capture, through the stand-in that replays its recorded ops as a graph
+    does: the eager loop's tokens exactly, free running and step by step, in both dtypes."""
+    _, out, _ = dry_run
+    throughput = json.loads((out / "gpu_check.json").read_text())["stages"]["throughput"]
+    graph = throughput["baselines"]["hf_static_graph"]
+    assert throughput["baseline_used"] == "hf_static_graph" and graph["replays_eager"]
+    for check in (graph["replay"], graph["replay_float32"]):
+        assert check["graph"] == "trace stand-in"
+        assert check["free_running_agreement"] == 1.0 and check["lockstep_agreement"] == 1.0
+        assert check["max_rel_logit_error"] == 0.0
+    assert graph["replay"]["dtype"] == "bfloat16" and graph["replay_float32"]["dtype"] == "float32"
+
+
+def test_profile_and_serve_record_their_floors_and_targets(
+        dry_run: tuple[int, Path, str]) -> None:
+    _, out, _ = dry_run
+    stages = json.loads((out / "gpu_check.json").read_text())["stages"]
+    profile = stages["profile"]
+    assert profile["floor_ms"] > 0 and profile["roofline_fraction"] > 0
+    assert profile["mixed_steps"] == DRY_SIZES.mixed_steps and profile["mixed_host_ms"] > 0
+    assert {t["name"] for t in profile["targets"]} >= {
+        f"decode step at batch {DRY_SIZES.batch}", "GPU kernels a decode step",
+        "host time of a mixed step (prefill + decodes)"}
+    serve = stages["serve"]
+    assert list(serve["runs"]) == [run.name for run in DRY_SIZES.serve_runs]
+    for run in DRY_SIZES.serve_runs:
+        figures = serve["runs"][run.name]
+        assert figures["completed"] == run.prompts and figures["failed"] == 0
+        assert figures["floor_output_tok_s"] > 0 and figures["tpot_floor_ms"] > 0
+        assert len(figures["targets"]) == len(run.targets)
+    # the CPU's figures are not the GPU's: nothing is judged against the GPU's targets
+    assert all(t["met"] is None for s in stages.values() for t in s.get("targets", []))
+    assert set(json.loads((out / "bench_serve.json").read_text())) == {
+        run.name for run in DRY_SIZES.serve_runs}
 
 
 def test_it_leaves_the_files_the_device_run_brings_back(dry_run: tuple[int, Path, str]) -> None:
@@ -60,6 +99,7 @@ def test_it_leaves_the_files_the_device_run_brings_back(dry_run: tuple[int, Path
     assert len(names) <= 8  # what the device tool brings back from $OUT
     summary = (out / "gpu_check.md").read_text()
     assert "| serve | ok |" in summary and "CPU dry run" in summary
+    assert "| profile | GPU kernels a decode step |" in summary
     assert "decode steps at batch" in (out / "profile.txt").read_text()
 
 
