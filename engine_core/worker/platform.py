@@ -76,6 +76,7 @@ class Platform:
     async_scheduling: bool = False
     triton_decode: bool = True  # the CUDA path's decodes on the Triton kernel (TANDEM_...)
     triton_kv_write: bool = True  # ... and its KV-cache write
+    triton_ops: bool = True  # ... and the layers' small ops (TANDEM_TRITON_OPS=0: torch's)
     # The LM head's compiled CPU kernels, loaded once; None: torch ops do the head.
     head_kernels: native.Kernels | None = field(default=None, compare=False, repr=False)
 
@@ -94,6 +95,7 @@ class Platform:
         the attention instead of the device's own (to compare them, or to fall back);
         TANDEM_TRITON_DECODE=0 and TANDEM_TRITON_KV_WRITE=0 put the CUDA path's decodes into
         the varlen call and its KV write on torch ops (the device check's fallbacks);
+        TANDEM_TRITON_OPS=0 runs the layers' small ops on torch's (the check's fallback);
         TANDEM_PIECEWISE=0 runs steps with a prefill eagerly (no piecewise graphs)."""
         env = os.environ if environ is None else environ
         device = resolve_device(config.device)
@@ -130,13 +132,15 @@ class Platform:
                               else config.async_scheduling),
             triton_decode=env.get("TANDEM_TRITON_DECODE", "1") != "0",
             triton_kv_write=env.get("TANDEM_TRITON_KV_WRITE", "1") != "0",
+            triton_ops=env.get("TANDEM_TRITON_OPS", "1") != "0",
             head_kernels=kernels,
         )
 
     def layer_ops(self) -> LayerOps:
         """The decoder layers' small ops (engine_core/layers/ops.py): the Triton kernels on
         CUDA, the compiled CPU kernels where `fused_elementwise`, else torch's own ops."""
-        if self.attention == "cuda" and self.device.type == "cuda" and triton_attention.available():
+        if (self.attention == "cuda" and self.device.type == "cuda" and self.triton_ops
+                and triton_attention.available()):
             return TritonOps()
         if self.fused_elementwise and self.head_kernels is not None:
             return NativeOps(self.head_kernels)

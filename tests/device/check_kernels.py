@@ -6,14 +6,17 @@ against its reference, and timed, before any engine depends on it.
 - `triton_decode` (the paged decode, all of a KV head's query heads from one read) against the
   fixed-shape torch reference in float32;
 - `write_kv` (K and V into their slots in one launch) against `index_copy_`, exactly;
+- the layers' small ops (`TritonOps`: `add_rms_norm`, `silu_mul`, `rope_cache`, the last with
+  Qwen3's q/k norms) against `TorchOps`, transformers' arithmetic, relative to the values'
+  scale, on one token per decode of the case;
 
 each at (decodes, context) of `Sizes.kernel_cases`: (64, 1k), (1, 32k) and (3, 1061) on the GPU, in
 bf16, the model's heads (32 query / 8 KV, head dim 64), blocks of 16 scattered in the cache.
 A kernel that fails (an error, or outside its tolerance) switches every later stage (and the
 served engine) to its fallback through the platform's environment variable: the decode to
 the varlen call (TANDEM_TRITON_DECODE=0), the write to torch ops (TANDEM_TRITON_KV_WRITE=0),
-a broken FlashAttention to the portable attention (TANDEM_ATTENTION=portable). So they still
-measure something.
+a broken FlashAttention to the portable attention (TANDEM_ATTENTION=portable), a broken layer
+op to torch's ops (TANDEM_TRITON_OPS=0). So they still measure something.
 
 In the dry run the Triton kernels run in Triton's interpreter, in a fresh process (it must be
 on before Triton is imported), in float32 at tiny sizes; FlashAttention, CUDA-only, is replaced
@@ -36,12 +39,17 @@ import torch
 
 from engine_core.layers import attention_cuda, triton_attention
 from engine_core.layers.attention_cuda import Decode, Varlen
+from engine_core.layers.ops import HeadShape, QKNorm, TorchOps
+from engine_core.layers.rotary import RotaryTable
+from engine_core.layers.triton_ops import TritonOps
 from tests.device.context import Context
 
 BLOCK = 16
 FALLBACKS = {"flash_varlen": ("TANDEM_ATTENTION", "portable"),
              "triton_decode": ("TANDEM_TRITON_DECODE", "0"),
-             "write_kv": ("TANDEM_TRITON_KV_WRITE", "0")}
+             "write_kv": ("TANDEM_TRITON_KV_WRITE", "0"),
+             **{name: ("TANDEM_TRITON_OPS", "0") for name in ("add_rms_norm", "silu_mul",
+                                                             "rope_cache")}}
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 
 
@@ -78,7 +86,8 @@ def check_all(device: str, dtype: torch.dtype, shape: tuple[int, int, int],
               cases: tuple[tuple[int, int], ...]) -> dict[str, Any]:
     cpu = device == "cpu"
     checks: dict[str, Callable[[Any], tuple[float, Callable[[], object]]]] = {
-        "flash_varlen": check_varlen, "triton_decode": check_decode, "write_kv": check_write}
+        "flash_varlen": check_varlen, "triton_decode": check_decode, "write_kv": check_write,
+        "add_rms_norm": check_norm, "silu_mul": check_silu, "rope_cache": check_rope}
     out: dict[str, Any] = {}
     for name, check in checks.items():
         record: dict[str, Any] = {"ok": True, "cases": []}
@@ -174,6 +183,60 @@ def check_write(case: Case) -> tuple[float, Callable[[], object]]:
     error = float(max((k.float() - want_k.float()).abs().max(),
                       (v.float() - want_v.float()).abs().max()))
     return error, launch
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+def check_norm(case: Case) -> tuple[float, Callable[[], object]]:
+    """RMSNorm with the residual add, over rows of the model's width."""
+    x = case.q.reshape(case.batch, -1)
+    residual, weight = x.flip(0).contiguous(), x[0] * 2
+    want_residual = residual.clone()
+    want = TorchOps().add_rms_norm(x.clone(), want_residual, weight, 1e-5)
+    ops = TritonOps()
+
+    def launch() -> torch.Tensor:
+        return ops.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+
+    got_residual = residual.clone()
+    got = ops.add_rms_norm(x.clone(), got_residual, weight, 1e-5)
+    return max(_relative(got, want), _relative(got_residual, want_residual)), launch
+
+
+def check_silu(case: Case) -> tuple[float, Callable[[], object]]:
+    """SiLU(gate) x up over rows of twice the model's width (its MLP's, scaled down)."""
+    gate_up = torch.cat([case.q.reshape(case.batch, -1)] * 2, dim=1) * 3
+    ops = TritonOps()
+    return _relative(ops.silu_mul(gate_up), TorchOps().silu_mul(gate_up)), \
+        lambda: ops.silu_mul(gate_up)
+
+
+def check_rope(case: Case) -> tuple[float, Callable[[], object]]:
+    """The rotary embedding (and Qwen3's q/k norms) of a token per decode, its K/V written."""
+    heads, kv_heads, dim = case.q.shape[1], case.k.shape[1], case.q.shape[2]
+    shape = HeadShape(heads, kv_heads, dim)
+    g = torch.Generator().manual_seed(case.batch)
+    qkv = torch.randn(case.batch, shape.qkv_width, generator=g).to(case.q)
+    positions = (case.lens - 1).int()
+    angles = torch.arange(case.context, dtype=torch.float32)[:, None] * torch.rand(
+        dim // 2, generator=g)
+    emb = torch.cat((angles, angles), dim=-1).to(case.q.device)
+    table = RotaryTable(emb.cos().contiguous(), emb.sin().contiguous())
+    slots = (case.table[case.rows.long(), 0].long() * BLOCK + 5).int()
+    norm = QKNorm(case.q[0, 0] + 1, case.q[0, 1] + 1, 1e-6)
+    error = 0.0
+    for ops_norm in (None, norm):
+        results = []
+        for ops in (TorchOps(), TritonOps()):
+            q, k, v = qkv.clone(), case.k.clone(), case.v.clone()
+            ops.rope_and_cache(q, positions, table, shape, k, v, slots, ops_norm)
+            results.append((q, k[slots.long()], v[slots.long()]))
+        error = max([error] + [_relative(b, a) for a, b in zip(*results)])
+    ops, work = TritonOps(), qkv.clone()
+    return error, lambda: ops.rope_and_cache(work, positions, table, shape, case.k, case.v,
+                                             slots, norm)
 
 
 def time_ms(launch: Callable[[], object], device: str, runs: int = 20) -> float:

@@ -13,7 +13,7 @@ if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 # Everything the check imports: what the machine should have, then what the wheels carry.
-MODULES="torch transformers numpy aiohttp jinja2 tokenizers tqdm prometheus_client msgspec zmq
+MODULES="torch transformers safetensors numpy aiohttp jinja2 tokenizers tqdm prometheus_client msgspec zmq
 xgrammar pydantic jsonschema referencing rpds attrs xxhash uvloop"
 missing() {
   "$PYTHON" - $MODULES <<'PY'
