@@ -169,6 +169,13 @@ class EngineStats(msgspec.Struct, omit_defaults=True, gc=False):
     frontends_lost: int = 0  # frontends gone silent whose requests the engine aborted
     block_size: int = 0  # tokens per KV-cache block
     kv_events_dropped: int = 0  # KV-event batches the publisher had no room for
+    # speculative decoding (vLLM's spec_decode counters): drafts verified (one per request
+    # per step that had any), their tokens, the tokens accepted, and of those, how many at
+    # each position of a draft (index 0: the first draft token)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class StepProgress(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
