@@ -69,14 +69,20 @@ def replay(ctx: zmq.Context, address: str, start: int,  # type: ignore[type-arg]
     Tandem's client keys, for an engine started with --curve-keys."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # bounded: a refused CURVE handshake tears down the DEALER's only pipe, and a send after
+    # that would block forever
+    sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
     if curve is not None:
         from shared.curve import secure_client
 
         secure_client(sock, curve)
     sock.connect(address)
-    sock.send_multipart([b"", start.to_bytes(8, "big")])
     got = []
     try:
+        try:
+            sock.send_multipart([b"", start.to_bytes(8, "big")])
+        except zmq.Again:
+            raise TimeoutError("no connection to the replay socket to send on") from None
         while True:
             if not sock.poll(timeout_ms):
                 raise TimeoutError("no end marker from the replay socket")
