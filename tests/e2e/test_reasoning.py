@@ -49,7 +49,8 @@ def warm_grammars(server: Server) -> None:
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                         timeout=60)
 
 
 def raw_text(client: openai.OpenAI, **args: Any) -> tuple[str, str | None]:
