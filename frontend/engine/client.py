@@ -4,9 +4,17 @@
 is decoded and its StepOutputs rows routed into per-request `OutputStream`s by one reader
 callback on the socket's file descriptor (a plain ZeroMQ socket driven by the event loop: no
 future or task per frame or per send). A heartbeat task pings the engine every
-`heartbeat_interval` and, when nothing at all has been heard for `silence_timeout`, marks the
-engine unhealthy and fails every in-flight request with `EngineDeadError` (the HTTP layer
-answers 503). Hearing from the engine again marks it healthy.
+`heartbeat_interval` and, when nothing at all has been heard for `silence_timeout` and the
+engine's process is gone too, marks the engine unhealthy and fails every in-flight request with
+`EngineDeadError` (the HTTP layer answers 503). Hearing from the engine again marks it healthy.
+
+Silence alone does not tell a dead engine from a busy one: the pings are answered by a Python
+thread, which any C call holding the engine's GIL holds back (a tokenizer loaded for the first
+grammar compile: seconds on a loaded machine). An `EngineLink` beside the socket, kept up by
+ZeroMQ's own heartbeats that libzmq answers without the GIL, says whether the process still runs
+and is reachable. Killed, stopped or cut off, it falls within `silence_timeout` and the silence
+is death as before; while it stands, the engine is busy and is given the stall bound
+(`stall_timeout`) to answer again before it counts as dead.
 
 A socket that answers is not enough: the engine's I/O thread answers pings, not the loop that
 does the work. Each ping answer carries the busy loop's progress, and an engine that has work
@@ -26,6 +34,7 @@ import msgspec
 import zmq
 
 from frontend.engine.latency import LatencyRecorder
+from frontend.engine.link import EngineLink
 from frontend.engine.stream import OutputStream, StepItem
 from shared import messages as wire
 from shared.curve import ClientKeys, secure_client
@@ -76,7 +85,9 @@ class EngineClient:
         stall_timeout: float = DEFAULT_STALL_FLOOR_S,
         curve: ClientKeys | None = None,
     ) -> None:
-        """`stall_timeout`: the least time a busy engine may go without finishing a step.
+        """`silence_timeout`: unanswered pings for this long mean death when the engine's
+        process is gone too (`EngineLink`). `stall_timeout`: the least time a busy engine may go
+        without finishing a step, or, its process up, without answering a ping.
         `curve`: keys to connect with when the engine requires CURVE (shared/curve.py)."""
         self.address = address
         self.identity = new_identity()
@@ -88,6 +99,8 @@ class EngineClient:
         self._curve = curve
         self._ctx = zmq.Context()
         self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        self._link: EngineLink | None = None  # the process's own heartbeat, once connected
+        self._busy_said = False  # this silence was logged as a busy engine's
         self._reading = False  # the socket's descriptor is watched by the event loop
         self._drain_soon = False  # a drain is scheduled (frames may wait unsignalled)
         self._handshake: asyncio.Future[wire.Ready] | None = None
@@ -138,6 +151,12 @@ class EngineClient:
         if self._curve is not None:
             secure_client(self._sock, self._curve)
         self._sock.connect(self.address)
+        # the link falls within silence_timeout of a PONG gone missing (a ping interval, then
+        # the timeout), so a stopped engine is found as soon as its silence is
+        self._link = EngineLink(self._ctx, self.address, self._heartbeat_interval,
+                                max(self._heartbeat_interval,
+                                    self._silence_timeout - self._heartbeat_interval),
+                                self._curve)
         loop = asyncio.get_running_loop()
         self._handshake = loop.create_future()
         loop.add_reader(self._sock.fileno(), self._drain)
@@ -367,13 +386,15 @@ class EngineClient:
     def _heard(self) -> None:
         self._unanswered_since = None
         self._unanswered_ticks = 0
+        self._busy_said = False
         if not self._healthy and not self._stalled:
             if self._tasks:
                 logger.warning("the engine at %s is answering again", self.address)
             self._healthy = True
 
     async def _heartbeat(self) -> None:
-        """Ping every interval; dead when a ping stays unanswered for `silence_timeout`.
+        """Ping every interval; a ping unanswered for `silence_timeout` is judged by
+        `_judge_silence` (dead, or busy while the engine's process is up).
 
         Silence is what the engine owes, not what this process failed to read. It is counted
         from the first unanswered ping, and only in ticks that ran on time: a tick that wakes
@@ -395,10 +416,26 @@ class EngineClient:
                 await asyncio.sleep(0)  # let a routed answer reach _heard() first
                 silent = self._silent_for(loop.time())
                 if silent > self._silence_timeout and not self._readable():
-                    self._mark_dead(f"the engine stopped answering (no reply for {silent:.1f} s)")
+                    self._judge_silence(silent)
             if self._unanswered_since is None:
                 self._unanswered_since = now
             self._send(wire.UtilityRequest(next(self._call_ids), "ping"))
+
+    def _judge_silence(self, silent: float) -> None:
+        """Silence past `silence_timeout`: death when the engine's process is gone too (its
+        link down: killed, stopped, cut off); while the link stands the process runs, and only
+        silence past the stall bound is death (its Python held up for good)."""
+        assert self._link is not None
+        if not self._link.up:
+            self._mark_dead(f"the engine stopped answering (no reply for {silent:.1f} s)")
+        elif silent > self._stall_timeout:
+            self._mark_dead(f"the engine's process is up but has answered no ping for "
+                            f"{silent:.1f} s")
+        elif not self._busy_said:
+            self._busy_said = True
+            logger.warning("the engine at %s has not answered for %.1f s, but its process is "
+                           "up: busy, not dead (up to %g s)", self.address, silent,
+                           self._stall_timeout)
 
     def _silent_for(self, now: float) -> float:
         """Seconds of silence the engine owes: wall time since the first unanswered ping, but
@@ -437,5 +474,7 @@ class EngineClient:
         self._stop_reading()
         # A live engine still gets the last aborts; a dead one must not delay the exit.
         self._sock.close(linger=200 if self._healthy else 0)
+        if self._link is not None:
+            self._link.close()
         self._healthy = False
         self._ctx.term()

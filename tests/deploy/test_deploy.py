@@ -35,7 +35,7 @@ def tool(name: str) -> str:
 
 
 def run(*cmd: str) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}\n{done.stderr}"
 
 
@@ -176,7 +176,8 @@ def run_keys_service(folders: dict[str, Path]) -> subprocess.CompletedProcess[st
         assert "-o 1000 -g 1000 " in script and "chown 1000:1000 " in script
         script = script.replace("-o 1000 -g 1000 ", "").replace("chown 1000:1000 ", "true ")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    return subprocess.run([*keys["entrypoint"], script], env=env, capture_output=True, text=True)
+    return subprocess.run([*keys["entrypoint"], script], env=env, capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_compose_keys_service_makes_loadable_private_halves_once(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ EPP_METRICS = ("vllm:num_requests_waiting", "vllm:num_requests_running",
 
 
 def run(*cmd: str) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}\n{done.stderr}"
 
 

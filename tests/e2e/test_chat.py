@@ -36,7 +36,8 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                         timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -123,7 +123,8 @@ def cases():
 
 
 async def test_matrix_stream_equals_non_stream(server, tokenizer, tiny_llama):
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                                timeout=60)
     model = (await client.models.list()).data[0].id
     # Stop strings that really occur: a piece from the middle of each greedy continuation.
     stops = {}
@@ -179,7 +180,8 @@ def assert_prompt_logprobs(hf, tokenizer, prompt: str, c: Choice) -> None:
 
 
 async def test_final_text_equals_tokenizer_decode(server, tokenizer):
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                                timeout=60)
     model = (await client.models.list()).data[0].id
     for prompt in PROMPTS.values():
         for stream in (False, True):
@@ -196,7 +198,8 @@ async def test_final_text_equals_tokenizer_decode(server, tokenizer):
 
 
 async def test_token_id_prompts_and_batches(server, tokenizer):
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                                timeout=60)
     model = (await client.models.list()).data[0].id
     ids = tokenizer("你好世界🎉").input_ids
     cut = ids[:-1]  # may end inside a character: nothing of the prompt may leak into the text

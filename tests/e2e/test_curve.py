@@ -25,7 +25,7 @@ def keyed_server(tiny_llama, tmp_path_factory):
 
 
 def complete(srv: Server) -> str:
-    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x")
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=60)
     out = client.completions.create(model="m", prompt="Hello", max_tokens=4, temperature=0)
     return out.choices[0].text
 

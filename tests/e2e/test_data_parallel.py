@@ -123,16 +123,31 @@ def batches_until(sub: zmq.Socket, found, timeout_s: float = 20.0):  # type: ign
     raise AssertionError("the awaited KV-cache event never came")
 
 
+async def subscribed(session: aiohttp.ClientSession, url: str, rank: int,
+                     sub: zmq.Socket) -> None:  # type: ignore[type-arg]
+    """Requests pinned to `rank` until `sub` hears its events: a PUB drops what it sends
+    before a subscription has reached it, and how long that takes after the connect has no
+    bound on a loaded machine (a fixed sleep lost the events there)."""
+    for attempt in range(40):
+        prompt = f"subscription check {rank} {attempt} " * 4  # a full block or more
+        status, _ = await complete(session, url, prompt, rank=rank, max_tokens=1)
+        assert status == 200
+        if await asyncio.to_thread(sub.poll, 500):
+            return
+    raise AssertionError(f"rank {rank}'s KV-event subscription never reached its publisher")
+
+
 async def test_each_rank_publishes_vllms_events_with_replay_and_clear(
         server, tiny_llama, ports) -> None:
     pub, replay = ports
     ctx = zmq.Context()
     subs = [subscribe(ctx, pub + rank) for rank in (0, 1)]
     try:
-        await asyncio.sleep(0.5)  # subscriptions reach the PUB sockets
         tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
         prompt = tokenizer("one two three four five six seven eight " * 6).input_ids
         async with aiohttp.ClientSession() as session:
+            for rank, sub in enumerate(subs):
+                await subscribed(session, server.url, rank, sub)
             status, _ = await complete(session, server.url, prompt, rank=1, max_tokens=1)
             assert status == 200
             want = chain_hashes(prompt, 16)

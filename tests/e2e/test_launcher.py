@@ -190,11 +190,13 @@ async def test_sigterm_lets_the_stream_finish(tiny_llama, tmp_path):
 def test_api_key(tiny_llama, tmp_path):
     srv = Server(tiny_llama, tmp_path, api_key="sekret").wait_healthy()
     try:
-        bad = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0)
+        bad = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0,
+                            timeout=60)
         with pytest.raises(openai.AuthenticationError) as err:
             bad.models.list()
         assert err.value.status_code == 401 and err.value.body["message"]
-        good = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sekret", max_retries=0)
+        good = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sekret", max_retries=0,
+                             timeout=60)
         model = good.models.list().data[0].id
         assert (
             good.completions.create(model=model, prompt="hi", max_tokens=2).choices[0].text

@@ -33,23 +33,14 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     srv = Server(tiny_llama, tmp_path_factory.mktemp("reasoning"), "--max-model-len", "1024",
                  "--reasoning-parser", "deepseek_r1",
                  "--reasoning-field-alias", "reasoning_content")
-    warm_grammars(srv.wait_healthy())
-    yield srv
+    yield srv.wait_healthy()
     assert srv.stop() == 0
-
-
-def warm_grammars(server: Server) -> None:
-    """One constrained request before the tests: the engine's first compile builds xgrammar's
-    tokenizer table, which on a loaded machine can hold the GIL long enough for the frontend to
-    find the engine silent (503); it answers again right after."""
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=5)
-    client.completions.create(model="m", prompt="x", max_tokens=1,
-                              extra_body={"structured_outputs": {"json_object": True}})
 
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                         timeout=60)
 
 
 def raw_text(client: openai.OpenAI, **args: Any) -> tuple[str, str | None]:

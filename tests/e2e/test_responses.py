@@ -37,17 +37,14 @@ ASK = "What is the weather in Paris?"
 def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     srv = Server(tiny_llama, tmp_path_factory.mktemp("responses"), "--max-model-len", "1024",
                  "--tool-call-parser", "hermes", "--responses-store-size", "4")
-    srv.wait_healthy()
-    warm = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=5)
-    warm.completions.create(model="m", prompt="x", max_tokens=1,  # the first grammar compile
-                            extra_body={"structured_outputs": {"json_object": True}})
-    yield srv
+    yield srv.wait_healthy()
     assert srv.stop() == 0
 
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                         timeout=60)
 
 
 def joined(client: openai.OpenAI, **args: Any) -> tuple[list[Any], list[Any]]:

@@ -51,7 +51,8 @@ def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                         timeout=60)
 
 
 def completion(client: openai.OpenAI, stream: bool, **body: Any) -> dict[str, Any]:
@@ -154,7 +155,7 @@ def test_bad_constraints_are_400s(client, fields):
 
 def test_mixed_burst_leaves_nothing_behind(server, client):
     async_client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none",
-                                      max_retries=0)
+                                      max_retries=0, timeout=60)
     kinds = [*KINDS.values(), ({}, None)]
 
     async def one(i: int) -> str | None:

@@ -14,7 +14,10 @@ engine's block manager would (BlockStored with the shared hash chain, vLLM's wir
 
 from __future__ import annotations
 
+import ctypes
 import json
+import signal
+import sys
 import tempfile
 import threading
 import time
@@ -145,7 +148,8 @@ class FakeEngine:
         self.ready = Ready(model, tokenizer_folder(), max_model_len, 128256, [EOS], BOS, 1,
                            data_parallel_rank=rank, block_size=block_size)
         self.load: int | None = None  # the queue length pings report (None: what runs)
-        self.silent = False  # True: pings go unanswered (a stalled or partitioned engine)
+        # True: pings go unanswered while the socket stays up (a busy or stuck engine)
+        self.silent = False
         self.step_delay = step_delay
         self.error_prompt_len = error_prompt_len
         self.added: list[AddRequest] = []
@@ -289,3 +293,20 @@ def fake_prompt_logprobs(add: AddRequest) -> Logprobs:
         ((prompt[:, None] + np.arange(k)) % 128000).astype(np.int32),
         (-(rows[:, None] + 1) / 10 - np.arange(k)).astype(np.float32),
     )
+
+
+def serve_as_a_process(hold_s: float) -> None:
+    """`python -m tests.unit.fake_engine HOLD_S`: a fake engine in a process of its own, which
+    prints its address. On SIGUSR1 its main thread holds the GIL for HOLD_S in one C call, as a
+    tokenizer's load does in a real engine: its Python answers nothing meanwhile, while the
+    process runs and its ZeroMQ threads (written in C) keep answering."""
+    engine = FakeEngine(step_delay=0.01).start()
+    libc = ctypes.PyDLL(None)  # a PyDLL's calls keep the GIL
+    signal.signal(signal.SIGUSR1, lambda *_: libc.usleep(int(hold_s * 1_000_000)))
+    print(engine.address, flush=True)
+    while True:
+        time.sleep(1.0)
+
+
+if __name__ == "__main__":
+    serve_as_a_process(float(sys.argv[1]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -50,15 +51,33 @@ def test_a_missing_key_file_says_what_to_do(tmp_path: Path) -> None:
         client_keys(tmp_path)
 
 
-def reaches(router: zmq.Socket, address: str, curve: ClientKeys | None) -> bool:
-    """Whether a DEALER with `curve` gets a frame through to `router`, bound at `address`."""
+def reaches(router: zmq.Socket, address: str, curve: ClientKeys | None,
+            after_refusal: bool = False) -> bool:
+    """Whether a DEALER with `curve` gets a frame through to `router`, bound at `address`.
+    `after_refusal`: send only once the server has refused the handshake (a ZAP denial).
+
+    The send is bounded: a refused handshake tears down the DEALER's only pipe, and a send
+    after that (this thread preempted past the refusal, as on a loaded machine) would block
+    forever. Refused before the send or after it, nothing arrives."""
     ctx = zmq.Context.instance()
     with ctx.socket(zmq.DEALER) as dealer:
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.SNDTIMEO, REFUSED_WITHIN_MS)
         if curve is not None:
             secure_client(dealer, curve)
-        dealer.connect(address)
-        dealer.send(b"hello")
+        monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            dealer.connect(address)
+            if after_refusal:  # the refusal, then the connection dropped, then its pipe
+                assert monitor.poll(5000), "the server did not refuse the handshake"
+                time.sleep(0.1)  # (the pipe goes on libzmq's thread, just after the event)
+            try:
+                dealer.send(b"hello")
+            except zmq.Again:  # no pipe left: the handshake was refused already
+                return False
+        finally:
+            dealer.disable_monitor()
+            monitor.close()
         return bool(router.poll(REFUSED_WITHIN_MS)) and router.recv_multipart()[1] == b"hello"
 
 
@@ -73,8 +92,9 @@ def test_the_server_admits_only_listed_keypairs(keys: Path, tmp_path: Path) -> N
         good = client_keys(keys)
         stranger_public, stranger_secret = zmq.curve_keypair()
         assert not reaches(router, address, None)
-        assert not reaches(router, address, ClientKeys(stranger_public, stranger_secret,
-                                                       good.server))
+        stranger = ClientKeys(stranger_public, stranger_secret, good.server)
+        assert not reaches(router, address, stranger)
+        assert not reaches(router, address, stranger, after_refusal=True)
         assert not reaches(router, address, ClientKeys(good.public, good.secret,
                                                        stranger_public))
         assert reaches(router, address, good)

@@ -126,8 +126,24 @@ def subscriber(ctx: zmq.Context, address: str) -> zmq.Socket:  # type: ignore[ty
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(address)
-    time.sleep(0.2)  # PUB drops what it sends before the subscription arrives
     return sub
+
+
+def subscribed(pub: KvEventPublisher, sub: zmq.Socket,  # type: ignore[type-arg]
+               timeout_s: float = 10.0) -> int:
+    """Publish AllBlocksCleared until `sub` hears the latest one, and read what came: a PUB
+    drops what it sends before a subscription has reached it, and how long that takes after
+    the connect has no bound on a loaded machine (a fixed sleep lost the first events there).
+    Returns how many batches it took; the test's own come after them."""
+    deadline = time.monotonic() + timeout_s
+    sent = 0
+    while time.monotonic() < deadline:
+        pub.publish([AllBlocksCleared()])
+        sent += 1
+        while sub.poll(100):
+            if kv_subscriber.read(sub.recv_multipart())[1] == sent - 1:
+                return sent
+    raise AssertionError("the subscription never reached the publisher")
 
 
 def test_published_batches_are_numbered_and_the_replay_keeps_the_last(
@@ -139,6 +155,7 @@ def test_published_batches_are_numbered_and_the_replay_keeps_the_last(
     pub = KvEventPublisher(config, rank=1, ctx=ctx)
     assert pub.bound == f"ipc://{tmp_path}/pub_dp1"
     sub = subscriber(ctx, pub.endpoint)
+    first = subscribed(pub, sub)
     bm = BlockManager(4, 2)
     bm.record_events()
     tokens = [5, 6, 7, 8]
@@ -152,19 +169,20 @@ def test_published_batches_are_numbered_and_the_replay_keeps_the_last(
     for _ in range(3):
         assert sub.poll(5000)
         got.append(kv_subscriber.read(sub.recv_multipart()))
-    assert [(topic, seq) for topic, seq, _ in got] == [(b"kv@tandem", 0), (b"kv@tandem", 1),
-                                                      (b"kv@tandem", 2)]
-    first = got[0][2]
-    assert first.data_parallel_rank == 1 and first.ts == pytest.approx(time.time(), abs=30)
-    (stored,) = first.events
+    assert [(topic, seq) for topic, seq, _ in got] == [(b"kv@tandem", first + k)
+                                                      for k in range(3)]
+    batch = got[0][2]
+    assert batch.data_parallel_rank == 1 and batch.ts == pytest.approx(time.time(), abs=30)
+    (stored,) = batch.events
     assert isinstance(stored, BlockStored)
     assert stored.block_hashes == chain_hashes(tokens, 2) and stored.token_ids == tokens
     assert isinstance(got[1][2].events[0], AllBlocksCleared)
     # the replay buffer holds the last two batches: a start before them gets what is left
     replayed = kv_subscriber.replay(ctx, pub.replay_endpoint or "", 0)
-    assert [(r.topic, r.seq) for r in replayed] == [(b"kv@tandem", 1), (b"kv@tandem", 2)]
+    assert [(r.topic, r.seq) for r in replayed] == [(b"kv@tandem", first + 1),
+                                                    (b"kv@tandem", first + 2)]
     assert isinstance(replayed[1].batch.events[0], BlockRemoved)
-    assert kv_subscriber.replay(ctx, pub.replay_endpoint or "", 3) == []
+    assert kv_subscriber.replay(ctx, pub.replay_endpoint or "", first + 3) == []
     sub.close()
     pub.close()
 
@@ -203,7 +221,7 @@ def test_with_curve_keys_only_key_holders_get_the_events_and_the_replay(
                 secure_client(sub, curve)
             sub.connect(f"tcp://127.0.0.1:{pub_port}")
             subs[name] = sub
-        time.sleep(0.5)
+        primed = subscribed(pub, subs["keyed"])  # the open one had as long, and as many
         pub.publish([AllBlocksCleared()])
         assert subs["keyed"].poll(5000)
         assert kv_subscriber.read(subs["keyed"].recv_multipart())[2].events == [AllBlocksCleared()]
@@ -212,7 +230,7 @@ def test_with_curve_keys_only_key_holders_get_the_events_and_the_replay(
             kv_subscriber.replay(ctx, f"tcp://127.0.0.1:{replay_port}", 0, timeout_ms=500)
         replayed = kv_subscriber.replay(ctx, f"tcp://127.0.0.1:{replay_port}", 0,
                                curve=client_keys(keys))
-        assert [r.seq for r in replayed] == [0]
+        assert [r.seq for r in replayed] == list(range(primed + 1))
         for sub in subs.values():
             sub.close()
         pub.close()

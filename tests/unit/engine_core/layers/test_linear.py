@@ -85,8 +85,9 @@ def test_both_register_tiles_give_the_same_bits(tmp_path: Path) -> None:
         pytest.skip("needs a C compiler and an AVX-512 CPU to run both builds")
     obj, lib = tmp_path / "k.o", tmp_path / "k.so"
     subprocess.run([compiler, *native.FLAGS, "-mno-avx512f", "-c", str(native.SOURCE),
-                    "-o", str(obj)], check=True)
-    subprocess.run([compiler, "-shared", str(obj), "-o", str(lib), "-lm"], check=True)
+                    "-o", str(obj)], check=True, timeout=120)
+    subprocess.run([compiler, "-shared", str(obj), "-o", str(lib), "-lm"], check=True,
+                   timeout=120)
     avx2, avx512 = native.Kernels(ctypes.CDLL(str(lib))), kernels_or_skip()
     torch.manual_seed(0)
     panels = native.pack_panels(torch.randn(96, 48))

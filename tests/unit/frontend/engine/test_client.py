@@ -85,7 +85,10 @@ async def test_abort_reaches_the_engine_and_closes_the_stream(
     client.abort(stream.unfinished)
     await drain(stream)  # what was already routed, then the end
     assert stream.unfinished == []
-    await asyncio.sleep(0.05)
+    for _ in range(250):  # the fake engine's thread takes it when it next runs
+        if engine.aborted and not engine.running:
+            break
+        await asyncio.sleep(0.02)
     assert engine.aborted == ["r1"] and not engine.running
 
 
@@ -125,7 +128,8 @@ async def test_undecodable_frames_are_dropped() -> None:
     ready = Ready("m", "tok", 16, 100, [1])
     client = EngineClient(f"tcp://127.0.0.1:{port}", handshake_timeout=2)
     start = asyncio.create_task(client.start())
-    identity, frame = await asyncio.to_thread(router.recv_multipart)
+    assert await asyncio.to_thread(router.poll, 5000), "no Hello came"  # (a bounded wait)
+    identity, frame = router.recv_multipart()
     assert isinstance(InputCodec().decode(frame), Hello)
     router.send_multipart([identity, b"\xc1garbage"])
     router.send_multipart([identity, OutputCodec().encode(ready)])

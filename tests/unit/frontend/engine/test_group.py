@@ -28,7 +28,10 @@ def prompt(family: int, suffix: int = 0, blocks: int = 4) -> list[int]:
 
 
 def make_client(address: str) -> EngineClient:
-    return EngineClient(address, heartbeat_interval=0.05, silence_timeout=0.3)
+    # a silent fake engine's process is up (its socket answers ZeroMQ's heartbeats): it counts
+    # as dead after the stall bound, not after silence_timeout
+    return EngineClient(address, heartbeat_interval=0.05, silence_timeout=0.3,
+                        stall_timeout=1.0)
 
 
 @pytest.fixture
