@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.speculative import SpeculativeConfig
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -31,6 +33,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode graphs' batch sizes; None: ladder
     async_scheduling: bool | None = None  # overlapped steps; None: the platform's default
+    speculative: SpeculativeConfig | None = None  # --speculative-config
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",

@@ -32,11 +32,13 @@ from engine_core.sample.device_sampler import DeviceSampler
 from engine_core.sample.interface import PendingSample, SamplerOutput, TokenSampler
 from engine_core.sample.prompt_logprobs import PromptChunk, PromptLogprobsAccumulator
 from engine_core.sample.sampler import Sampler
-from engine_core.sample.sampling_batch import SamplingBatch
+from engine_core.sample.sampling_batch import Drafts, SamplingBatch
+from engine_core.sample.speculative import Accepted, accept, rewind
 from engine_core.sched.block_manager import BlockManager
 from engine_core.sched.request import Request, Status
 from engine_core.sched.scheduler import Scheduler, SchedulerOutput
 from engine_core.sched.stop_rules import Stop, StopRules
+from engine_core.spec.ngram import NgramProposer
 from engine_core.structured.grammar import GrammarCompiler
 from engine_core.validation import params_error, prompt_ids
 from engine_core.worker.input_batch import StepRows
@@ -55,6 +57,9 @@ from shared.step_outputs import Logprobs
 log = logging.getLogger(__name__)
 
 _GRAMMAR_WAIT_S = 0.005  # an idle step's wait for a compiling grammar: short, new input may come
+# speculative decoding proposes nothing while more requests than this run (vLLM's
+# disable_by_batch_size; measured: docs/benchmarks.md)
+SPEC_MAX_BATCH = 32
 
 
 class _Launched(NamedTuple):
@@ -105,6 +110,12 @@ class EngineCore:
         self.generator = torch.Generator().manual_seed(config.seed)  # unseeded requests' draws
         self.prompt_logprobs = PromptLogprobsAccumulator()
         self.async_scheduling = self.platform.async_scheduling
+        self.proposer = _proposer(config)
+        spec = config.speculative
+        self.spec_max_batch = (spec.disable_by_batch_size or SPEC_MAX_BATCH) if spec else 0
+        if self.proposer is not None and self.async_scheduling:
+            log.info("speculative decoding: steps are not overlapped (--async-scheduling off)")
+            self.async_scheduling = False
         self._inflight: _Launched | None = None  # an overlapped step not completed yet
         self._said_blocking = False  # logged once: a step the next one must wait for
         self._refused: list[_Refusal] = []
@@ -239,7 +250,7 @@ class EngineCore:
                 sched, plan.keep, previous.sampled.tokens if previous is not None else None)
             samplers = sched.samplers()
             batch = build_sampling_batch(samplers, self.sampler.vocab, self.facts.eos_token_ids,
-                                         self.generator)
+                                         self.generator, _drafts(sched, samplers))
             sampled = self._sample(batch, hidden[plan.num_prompt_rows:])
             prompt_lps = (self.prompt_logprobs.score_step(self.runner.head, plan.prompts, hidden)
                           if plan.prompts else {})
@@ -256,16 +267,59 @@ class EngineCore:
             self.runner.note_placeholders(step.rows)
 
     def _complete(self, step: _Launched, news: StepNews) -> None:
-        """Wait for the step's tokens, give them to their requests, and add its news."""
+        """Wait for the step's tokens, give them to their requests, and add its news; then,
+        with speculative decoding, propose the next tokens of the requests it sampled."""
         sampled = step.sampled.result()
-        # (only an overlapped step's requests can have finished since it was queued)
-        alive = ([r.status is not Status.FINISHED for r in step.samplers]
-                 if self.async_scheduling else None)
-        finished = self.scheduler.resolve(step.sched, sampled.token_ids)
-        self.runner.note_sampled(step.rows, sampled.token_ids)
-        _add_sampled(news, step.samplers, step.batch, sampled, finished, alive)
+        drafts = step.batch.drafts
+        verified = accept(sampled.token_ids, drafts) if len(drafts.token_ids) else None
+        if verified is None:
+            finished = self.scheduler.resolve(step.sched, sampled.token_ids)
+            self.runner.note_sampled(step.rows, sampled.token_ids)
+        else:
+            rewind(step.batch.seeded_states, verified.counts)
+            finished = self.scheduler.resolve(step.sched, sampled.token_ids[verified.rows],
+                                              verified.counts)
+            self._count_verified(drafts.counts, verified)
+            last = np.cumsum(verified.counts) - 1  # each request's newest token, and where
+            self.runner.note_sampled(step.rows, sampled.token_ids[verified.rows[last]],
+                                     verified.counts - drafts.counts - 1)
+        _add_sampled(news, step.samplers, step.batch, sampled, finished, step.sched.appended,
+                     verified)
         _add_prompt_only(news, step.sched, finished)
         _attach_prompt_logprobs(news, step.prompt_logprobs)
+        if self.proposer is not None:
+            self._propose(step.samplers)
+
+    def _propose(self, samplers: list[Request]) -> None:
+        """Drafts for the requests that just sampled (none while more than `spec_max_batch`
+        requests run, nor for a constrained one), as many as its output and the context
+        leave room for: a verified draft is an output token, and one more follows it."""
+        assert self.proposer is not None
+        running = len(self.scheduler.running)
+        for req in samplers:
+            req.drafts = []
+            if req.status is not Status.RUNNING or req.grammar is not None \
+                    or running > self.spec_max_batch:
+                continue
+            room = min(req.output_limit - len(req.output_token_ids),
+                       self.max_model_len - len(req.all_token_ids)) - 1
+            req.drafts = self.proposer.propose(req.all_token_ids, room)
+
+    def _count_verified(self, drafted: np.ndarray, verified: Accepted) -> None:
+        """vLLM's spec_decode counters: drafts, their tokens, accepted ones and where."""
+        counts = self.counts
+        rows = drafted > 0
+        accepted = verified.accepted[rows]
+        counts.spec_drafts += int(rows.sum())
+        counts.spec_draft_tokens += int(drafted.sum())
+        counts.spec_accepted_tokens += int(accepted.sum())
+        # (a request that accepted m drafts accepted one at each position below m)
+        per_pos = [int((accepted > j).sum()) for j in range(int(accepted.max(initial=0)))]
+        have = counts.spec_accepted_per_pos
+        if len(have) < len(per_pos):
+            have = have + [0] * (len(per_pos) - len(have))
+        counts.spec_accepted_per_pos = [a + b for a, b in
+                                        zip(have, per_pos + [0] * (len(have) - len(per_pos)))]
 
     def _sample(self, batch: SamplingBatch, hidden: torch.Tensor) -> PendingSample:
         if not batch.num_rows:
@@ -332,8 +386,12 @@ class _RowPlan(NamedTuple):
 def _plan_rows(sched: SchedulerOutput) -> _RowPlan:
     _, num_new, samples = sched.columns()
     ends = np.cumsum(num_new)
+    sample_rows = ends[samples] - 1
+    if sched.num_drafts:  # a request verifying k drafts: its last k + 1 rows, in order
+        k = sched.draft_counts()
+        sample_rows = _runs(sample_rows - k, k + 1)
     if not sched.scores_prompts:
-        return _RowPlan(ends[samples] - 1, [], 0)
+        return _RowPlan(sample_rows, [], 0)
     prompt_keep: list[int] = []
     prompts = []
     for s, end in zip(sched.scheduled, ends.tolist()):
@@ -347,8 +405,33 @@ def _plan_rows(sched: SchedulerOutput) -> _RowPlan:
         targets = req.prompt_token_ids[s.start + 1:s.start + 1 + n]
         prompts.append(PromptChunk(req.request_id, lo, lo + n, targets,
                                    req.params.prompt_logprobs or 0, s.completes_prompt))
-    keep = np.concatenate([np.asarray(prompt_keep, dtype=np.int64), ends[samples] - 1])
+    keep = np.concatenate([np.asarray(prompt_keep, dtype=np.int64), sample_rows])
     return _RowPlan(keep, prompts, len(prompt_keep))
+
+
+def _runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """starts[i], starts[i] + 1, ..., starts[i] + lengths[i] - 1, for each i in turn."""
+    ends = np.cumsum(lengths)
+    return np.repeat(starts - (ends - lengths), lengths) + np.arange(int(ends[-1]) if len(ends)
+                                                                     else 0)
+
+
+def _drafts(sched: SchedulerOutput, samplers: list[Request]) -> Drafts | None:
+    """The drafts each sampler verifies this step, or None (no speculation)."""
+    if not sched.num_drafts:
+        return None
+    tokens = [t for s in sched.special.values() if s.drafts for t in s.drafts]
+    return Drafts(sched.draft_counts(), np.asarray(tokens, dtype=np.int64))
+
+
+def _proposer(config: EngineConfig) -> NgramProposer | None:
+    spec = config.speculative
+    if spec is None:
+        return None
+    if spec.kind != "ngram":
+        raise ValueError(f"--speculative-config: method {spec.kind} is not served yet")
+    low, high = spec.ngram_sizes
+    return NgramProposer(spec.num_speculative_tokens, low, high)
 
 
 def _add_refusals(news: StepNews, refused: list[_Refusal]) -> None:
@@ -357,13 +440,14 @@ def _add_refusals(news: StepNews, refused: list[_Refusal]) -> None:
 
 
 def _add_sampled(news: StepNews, samplers: list[Request], batch: SamplingBatch,
-                 sampled: SamplerOutput, finished: dict[str, Stop],
-                 alive: list[bool] | None) -> None:
-    """A row per request that sampled, with its logprobs row (if it asked) and its finish;
-    none for a request finished before its token came (`alive` False; None: all alive)."""
+                 sampled: SamplerOutput, finished: dict[str, Stop], kept: np.ndarray | None,
+                 verified: Accepted | None) -> None:
+    """A row per token the requests that sampled kept (`kept[i]` of sampler i: none for a
+    request finished before its token came, several for one that verified drafts), with its
+    logprobs row (if it asked) and, on its last row, its finish."""
     if not samplers:
         return
-    n = len(samplers)
+    n = batch.num_rows
     lp_rows = np.full(n, -1, np.int64)
     lp_k = np.full(n, -1, np.int64)
     asked = sampled.logprob_rows  # the rows whose request asked for logprobs
@@ -371,15 +455,19 @@ def _add_sampled(news: StepNews, samplers: list[Request], batch: SamplingBatch,
         lp_rows[asked] = np.arange(len(asked))
         lp_k[asked] = batch.logprob_k
     tokens = sampled.token_ids
-    if alive is not None and not all(alive):
-        keep = np.flatnonzero(np.asarray(alive))
-        samplers = [samplers[i] for i in keep]
-        lp_rows, lp_k, tokens = lp_rows[keep], lp_k[keep], tokens[keep]
+    owners = samplers
+    if verified is not None or (kept is not None and not kept.all()):
+        counts = np.ones(len(samplers), np.int64) if verified is None else verified.counts
+        rows = np.arange(n) if verified is None else verified.rows
+        assert kept is not None
+        take = rows[_runs(np.cumsum(counts) - counts, kept)]  # each one's first kept rows
+        owners = [samplers[i] for i in np.repeat(np.arange(len(samplers)), kept).tolist()]
+        lp_rows, lp_k, tokens = lp_rows[take], lp_k[take], tokens[take]
     first = len(news)
-    ids = [r.request_id for r in samplers]
-    news.add_sampled(ids, [r.owner for r in samplers], tokens, sampled.logprobs, lp_rows, lp_k)
+    ids = [r.request_id for r in owners]
+    news.add_sampled(ids, [r.owner for r in owners], tokens, sampled.logprobs, lp_rows, lp_k)
     if finished:
-        row_of = dict(zip(ids, range(first, first + len(ids))))
+        row_of = dict(zip(ids, range(first, first + len(ids))))  # (a request's last row)
         for rid, stop in finished.items():
             row = row_of.get(rid)
             if row is not None:

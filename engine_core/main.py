@@ -13,6 +13,7 @@ from shared.curve import CurveKeyError, open_engine_refusal, server_keys
 from shared.engine_args import add_engine_args, check_engine_args
 from shared.kv_events import parse_kv_events_config
 from shared.messages import Ready
+from shared.speculative import parse_speculative_config
 
 if TYPE_CHECKING:  # the engine's modules import torch: only once the arguments are parsed
     from engine_core.config import EngineConfig
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed, num_threads=args.num_threads, trust_remote_code=args.trust_remote_code,
             model_impl="tandem" if args.model_impl == "vllm" else args.model_impl,
             enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+            speculative=(None if args.speculative_config is None
+                         else parse_speculative_config(args.speculative_config)),
             cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None)
         core = EngineCore(config)
     except (ValueError, OSError, RuntimeError) as e:

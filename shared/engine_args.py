@@ -10,6 +10,7 @@ import argparse
 
 from shared.kv_events import FORMATS, KvEventsConfigError, parse_kv_events_config
 from shared.messages import MAX_LOGPROBS
+from shared.speculative import SpeculativeConfigError, parse_speculative_config
 
 _ENGINE_FLAGS = (
     ("--served-model-name", {
@@ -88,6 +89,13 @@ _ENGINE_FLAGS = (
                 "tagged by \"type\", as vLLM 0.26 and later send); 'array', the positional "
                 "arrays of older vLLM, and a replay without the topic frame, for consumers that "
                 "read only those (llm-d-kv-cache before v0.9.0)"}),
+    ("--speculative-config", {
+        "default": None,
+        "help": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+                "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+                "\"prompt_lookup_min\": 2}' (proposals from the request's own tokens) or "
+                "'{\"model\": PATH, \"num_speculative_tokens\": 4}' (a draft model with the "
+                "same tokenizer); outputs keep the model's distribution"}),
     ("--max-logprobs", {
         "type": int, "default": None,
         "help": "most logprobs a request may ask for (default and most: 20)"}),
@@ -132,6 +140,11 @@ def check_engine_args(args: argparse.Namespace) -> str | None:
     utilization = args.gpu_memory_utilization
     if utilization is not None and not 0 < utilization <= 1:
         return f"--gpu-memory-utilization {utilization}: a share in (0, 1]"
+    if args.speculative_config is not None:
+        try:
+            parse_speculative_config(args.speculative_config)
+        except SpeculativeConfigError as exc:
+            return str(exc)
     if args.kv_events_config is not None:
         try:
             parse_kv_events_config(args.kv_events_config)

@@ -79,12 +79,62 @@ class SamplingRow(Protocol):
     def masked(self) -> bool: ...  # its grammar masks its next token (done thinking)
 
 
+class DraftRow:
+    """Row j of a request verifying drafts: the request seen with its first j drafts accepted
+    (what the builder reads of a `SamplingRow`; the token lists made only if read)."""
+
+    __slots__ = ("row", "drafts")
+
+    grammar = None  # a constrained request proposes nothing (engine_core/engine.py)
+    masked = False
+
+    def __init__(self, row: SamplingRow, drafts: Sequence[int]) -> None:
+        self.row = row
+        self.drafts = drafts
+
+    @property
+    def sampling(self) -> RequestSampling:
+        return self.row.sampling
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return [*self.row.output_token_ids, *self.drafts]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return [*self.row.all_token_ids, *self.drafts]
+
+
+def expand(rows: Sequence[SamplingRow], drafts: Drafts) -> list[SamplingRow]:
+    """The batch's rows: each request, or its k + 1 `DraftRow`s when it has k drafts."""
+    if not len(drafts.token_ids):
+        return list(rows)
+    out: list[SamplingRow] = []
+    at = 0
+    for row, k in zip(rows, drafts.counts.tolist()):
+        if k:
+            ids = drafts.token_ids[at:at + k].tolist()
+            out += [DraftRow(row, ids[:j]) for j in range(k + 1)]
+            at += k
+        else:
+            out.append(row)
+    return out
+
+
 def build_sampling_batch(rows: Sequence[SamplingRow], vocab: int,
                          eos_token_ids: Sequence[int], generator: torch.Generator,
                          drafts: Drafts | None = None) -> SamplingBatch:
-    """The batch of `rows` (one per request that samples, in order) for logits `vocab` wide;
-    `eos_token_ids` are banned with the stop tokens before min_tokens, `generator` (the
-    engine's) draws the unseeded rows' uniform numbers."""
+    """The batch of `rows` (one per request that samples, in order; k + 1 for one verifying k
+    `drafts`: speculative.expand) for logits `vocab` wide; `eos_token_ids` are banned with the
+    stop tokens before min_tokens, `generator` (the engine's) draws the unseeded rows' uniform
+    numbers."""
+    seeded_states = {}
+    if drafts is not None and len(drafts.token_ids):
+        for i in np.flatnonzero(drafts.counts).tolist():
+            own = rows[i].sampling.generator
+            if own is not None:
+                seeded_states[i] = (own, own.get_state())
+        rows = expand(rows, drafts)
     n = len(rows)
     cols = np.frombuffer(b"".join([r.sampling.columns for r in rows]), np.float64).reshape(n, 5)
     temps = cols[:, 0].astype(np.float32)
@@ -124,6 +174,7 @@ def build_sampling_batch(rows: Sequence[SamplingRow], vocab: int,
         drafts=Drafts.none(n) if drafts is None else drafts,
         generator=generator,
         seeded=seeded,
+        seeded_states=seeded_states,
         reads_outputs=reads_outputs,
     )
 

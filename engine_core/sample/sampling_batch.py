@@ -6,9 +6,10 @@ nothing else. Its rows are those requests, in order, and its columns are host ar
 sampler decides everything about a step (which rows draw, which are truncated, which logits
 are edited) before it touches the logits.
 
-- Rows and logits rows: row i carries k_i draft tokens (speculative decoding; 0 without) and
-  owns the k_i + 1 consecutive rows of the hidden states and logits from `logits_start[i]`: its
-  drafts' positions, then the one after. Every k is 0 today, and a sampler refuses drafts.
+- Rows are logits rows: one per request, or k + 1 consecutive ones for a request verifying k
+  draft tokens (speculative decoding), row j the request with its first j drafts accepted
+  (speculative.py); `drafts` says which rows are whose. A sampler samples every row alike;
+  which tokens a request emits is decided after (speculative.py, `accept`).
 - Edits of the logits are sparse (row, token, value) triples, applied in this order: logit
   bias, the min_tokens ban, the repetition penalty, then the frequency and presence penalties;
   a constrained row's grammar mask comes before all of them (logits_ops.py applies them).
@@ -23,7 +24,7 @@ are edited) before it touches the logits.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -56,8 +57,9 @@ NO_EDITS = Edits(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.fl
 
 
 class Drafts(NamedTuple):
-    """Draft tokens to verify (speculative decoding): `counts[i]` (k) for row i, their ids
-    row after row in `token_ids`."""
+    """Draft tokens to verify (speculative decoding): `counts[i]` (k) for request i, their ids
+    request after request in `token_ids`; request i has the batch's k + 1 rows from
+    `SamplingBatch.group_starts[i]`."""
 
     counts: np.ndarray  # int64 [rows]
     token_ids: np.ndarray  # int64 [sum of counts]
@@ -89,6 +91,9 @@ class SamplingBatch:
     drafts: Drafts
     generator: torch.Generator  # the engine's, for more uniform numbers of unseeded rows
     seeded: dict[int, torch.Generator]  # a seeded row's own
+    # a seeded request verifying drafts, by request: its generator and its state before the
+    # step's draws (one per row), rewound after acceptance (speculative.rewind)
+    seeded_states: dict[int, tuple[torch.Generator, torch.Tensor]] = field(default_factory=dict)
     # a row's sampling reads the tokens it sampled before (a grammar, penalties): the next
     # step's batch needs this step's tokens on the host
     reads_outputs: bool = False
@@ -115,23 +120,15 @@ class SamplingBatch:
         return np.unique(np.concatenate(edits)) if edits else NO_EDITS.rows
 
     @property
-    def logits_start(self) -> np.ndarray:
-        """Each row's first row of the hidden states and logits (it owns k + 1 of them)."""
-        counts = self.drafts.counts
-        return np.arange(len(counts)) + np.cumsum(counts) - counts
-
-    @property
-    def num_logits_rows(self) -> int:
-        return self.num_rows + len(self.drafts.token_ids)
+    def group_starts(self) -> np.ndarray:
+        """Each request's first row (a request verifying k drafts has k + 1)."""
+        group = self.drafts.counts + 1
+        return np.cumsum(group) - group
 
     def check(self, hidden: torch.Tensor) -> None:
-        """Refuse what a sampler cannot do yet: draft tokens to verify; and hidden states that
-        are not one row per logits row."""
-        if len(self.drafts.token_ids):
-            raise NotImplementedError("draft tokens: their verification is not built yet")
-        if hidden.shape[0] != self.num_logits_rows:
-            raise ValueError(f"{hidden.shape[0]} hidden rows for {self.num_logits_rows} "
-                             "logits rows")
+        """Refuse hidden states that are not one row per batch row."""
+        if hidden.shape[0] != self.num_rows:
+            raise ValueError(f"{hidden.shape[0]} hidden rows for {self.num_rows} batch rows")
 
     def more_uniforms(self, rows: Sequence[int]) -> np.ndarray:
         """Fresh uniform numbers to draw `rows` again: the engine generator's for each, a

@@ -49,6 +49,9 @@ class Request:
         # `StopRules.watch`): a token among `stop_ids`, or `output_limit` outputs.
         self.stop_ids = frozenset(params.stop_token_ids)
         self.output_limit = params.max_tokens
+        # speculative decoding: tokens proposed to follow its last one, verified with it by the
+        # next step that schedules it (engine_core/spec/)
+        self.drafts: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -100,4 +103,5 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids = []
         self.num_published_blocks = 0
+        self.drafts = []
         self.status = Status.WAITING

@@ -46,13 +46,17 @@ class Scheduled:
     scheduled (the request's tokens may grow before the step's outputs are recorded)."""
 
     __slots__ = ("request", "start", "num_new", "completes_prefill", "samples",
-                 "completes_prompt")
+                 "completes_prompt", "drafts")
 
-    def __init__(self, request: Request, start: int, num_new: int) -> None:
+    def __init__(self, request: Request, start: int, num_new: int,
+                 drafts: tuple[int, ...] = ()) -> None:
         self.request = request
         self.start = start  # first position computed this step
-        self.num_new = num_new  # tokens computed this step
-        end = start + num_new
+        self.num_new = num_new  # tokens computed this step (its drafts' among them)
+        # draft tokens verified after the request's last token (speculative decoding): the
+        # step computes that token and them, and samples one token more than it accepts
+        self.drafts = drafts
+        end = start + num_new - len(drafts)
         # it computes the request's last known token / samples one / completes the prompt
         self.completes_prefill = end == len(request.all_token_ids)
         self.samples = self.completes_prefill and request.params.max_tokens > 0
@@ -62,12 +66,13 @@ class Scheduled:
     def decode(cls, request: Request, start: int) -> Scheduled:
         """A plain decode's share (see SchedulerOutput)."""
         s = cls.__new__(cls)
-        s.request, s.start, s.num_new = request, start, 1
+        s.request, s.start, s.num_new, s.drafts = request, start, 1, ()
         s.completes_prefill = s.samples = s.completes_prompt = True
         return s
 
     def __repr__(self) -> str:
-        return f"Scheduled({self.request.request_id!r}, {self.start}, {self.num_new})"
+        return (f"Scheduled({self.request.request_id!r}, {self.start}, {self.num_new}"
+                + (f", drafts={self.drafts})" if self.drafts else ")"))
 
 
 class SchedulerOutput:
@@ -87,6 +92,9 @@ class SchedulerOutput:
         self.special: dict[int, Scheduled] = {}
         self.preempted: list[Request] = []
         self.num_tokens = 0  # tokens computed by the step, all scheduled requests together
+        self.num_drafts = 0  # draft tokens among them (speculative decoding)
+        # tokens each sampler appended (`Scheduler.resolve` sets it; 0 for a finished one)
+        self.appended: np.ndarray | None = None
         self._samplers: list[Request] | None = None
         self._columns: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
@@ -130,6 +138,19 @@ class SchedulerOutput:
             self._columns = (np.array(self.starts, dtype=np.int64),
                              np.array(self.num_new, dtype=np.int64), samples)
         return self._columns
+
+    def draft_counts(self) -> np.ndarray:
+        """Each sampler's draft tokens (int64, zeros without speculation)."""
+        counts = np.zeros(len(self.samplers()), dtype=np.int64)
+        if self.num_drafts:
+            row = 0
+            for i, req in enumerate(self.requests):
+                s = self.special.get(i)
+                if s is None or s.samples:
+                    if s is not None and s.drafts:
+                        counts[row] = len(s.drafts)
+                    row += 1
+        return counts
 
     @property
     def scores_prompts(self) -> bool:
@@ -283,7 +304,11 @@ class Scheduler:
             # a plain decode (SchedulerOutput): its one token past a prompt done and scored
             plain = num_new == 1 and start >= len(req.prompt_token_ids) and \
                 req.prompt_logprobs_done
-            if not plain:
+            drafts: tuple[int, ...] = ()
+            if plain and req.drafts:  # its drafts verified with its token, as budget allows
+                drafts = tuple(req.drafts[:budget - 1])
+                plain, num_new = not drafts, 1 + len(drafts)
+            elif not plain:
                 num_new = min(num_new, budget)
                 if not req.prompt_logprobs_done:
                     num_new = min(num_new, self._rows_left)
@@ -294,7 +319,8 @@ class Scheduler:
                     not self._grow_or_preempt(req, num_new, out):
                 break  # req itself was preempted: it was the newest, nothing after it
             if not plain:
-                special[len(out.requests)] = Scheduled(req, start, num_new)
+                special[len(out.requests)] = Scheduled(req, start, num_new, drafts)
+                out.num_drafts += len(drafts)
                 if not req.prompt_logprobs_done:
                     self._rows_left -= num_new
             add_req(req)
@@ -421,6 +447,8 @@ class Scheduler:
                 if placeholders:
                     req.append_placeholder(i if rows is None else rows[i])
                 continue
+            if s.drafts:  # what it computed is known once its drafts are accepted: `resolve`
+                continue
             req.num_computed_tokens += s.num_new
             if caching and req.num_computed_tokens // block_size > req.num_published_blocks:
                 self.publish_computed_blocks(req)
@@ -435,10 +463,14 @@ class Scheduler:
                 assert rows is not None
                 req.append_placeholder(rows[i])
 
-    def resolve(self, out: SchedulerOutput,
-                sampled_token_ids: np.ndarray | Sequence[int]) -> dict[str, Stop]:
-        """The step's sampled tokens (one per `out.samplers()`) appended, or put in their
-        placeholders, and the stop rules applied; see `update_from_output`."""
+    def resolve(self, out: SchedulerOutput, sampled_token_ids: np.ndarray | Sequence[int],
+                counts: np.ndarray | None = None) -> dict[str, Stop]:
+        """The step's sampled tokens (one per `out.samplers()`, or `counts[i]` for sampler i:
+        a request that verified drafts emits its accepted ones and one more) appended, or put
+        in their placeholders, and the stop rules applied after each; see
+        `update_from_output`. `out.appended` says how many each sampler kept."""
+        if counts is not None and bool((counts != 1).any()):
+            return self._resolve_runs(out, sampled_token_ids, counts)
         finished: dict[str, Stop] = {}
         tokens = np.asarray(sampled_token_ids).tolist()  # Python ints, once
         samplers = out.samplers()
@@ -446,8 +478,10 @@ class Scheduler:
             raise ValueError(f"{len(tokens)} sampled tokens for {len(samplers)} sampling requests")
         appended = 0
         done = Status.FINISHED
-        for req, token in zip(samplers, tokens):
+        kept = np.ones(len(samplers), dtype=np.int64)
+        for i, (req, token) in enumerate(zip(samplers, tokens)):
             if req.status is done:
+                kept[i] = 0
                 continue  # finished or aborted while its token was in flight
             appended += 1
             if req.grammar is not None:  # (and any request that thinks first)
@@ -468,11 +502,50 @@ class Scheduler:
             if stop is not None:
                 finished[req.request_id] = stop
         self.stats.generation_tokens += appended
+        out.appended = kept
+        self._finish_prompts(out, finished)
+        return finished
+
+    def _resolve_runs(self, out: SchedulerOutput, sampled_token_ids: np.ndarray | Sequence[int],
+                      counts: np.ndarray) -> dict[str, Stop]:
+        """`resolve` of a step that verified drafts: sampler i's `counts[i]` tokens appended in
+        turn until one stops it (nothing after it is kept); a request that verified drafts
+        has computed every token it now has but its newest one (its accepted drafts' KV is
+        the step's), and its newly full blocks go to the prefix cache."""
+        finished: dict[str, Stop] = {}
+        tokens = np.asarray(sampled_token_ids).tolist()
+        samplers = out.samplers()
+        drafted = out.draft_counts() > 0
+        if len(samplers) != len(counts) or int(counts.sum()) != len(tokens):
+            raise ValueError(f"{len(tokens)} sampled tokens in {len(counts)} runs for "
+                             f"{len(samplers)} sampling requests")
+        kept = np.zeros(len(samplers), dtype=np.int64)
+        at = 0
+        for i, (req, count) in enumerate(zip(samplers, counts.tolist())):
+            run, at = tokens[at:at + count], at + count
+            if req.status is Status.FINISHED:
+                continue
+            for token in run:
+                kept[i] += 1
+                stop = self._append(req, token)
+                if stop is not None:
+                    finished[req.request_id] = stop
+                    break
+            if drafted[i] and req.status is not Status.FINISHED:
+                req.num_computed_tokens = len(req.all_token_ids) - 1
+                if self.blocks.enable_prefix_caching:
+                    self.publish_computed_blocks(req)
+        self.stats.generation_tokens += int(kept.sum())
+        out.appended = kept
+        self._finish_prompts(out, finished)
+        return finished
+
+    def _finish_prompts(self, out: SchedulerOutput, finished: dict[str, Stop]) -> None:
+        """Prompt-only requests whose prompt the step completed end ("length")."""
         for req in out.prompts_done():
-            if req.status is not done:
+            if req.status is not Status.FINISHED:
                 finished[req.request_id] = Stop(FinishReason.LENGTH)
                 self._finish(req, FinishReason.LENGTH)
-        return finished
 
     def _append(self, req: Request, token: int) -> Stop | None:
         masked = req.masked  # the grammar chose this token (a thinking request's did not)

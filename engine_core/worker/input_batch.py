@@ -169,17 +169,23 @@ class BlockTables:
             tokens[offsets[known]] = self.last_token[rows[known]]
             for i in np.nonzero(~known)[0].tolist():
                 start, n, at = sched.starts[i], sched.num_new[i], int(offsets[i])
-                tokens[at:at + n] = sched.requests[i].all_token_ids[start:start + n]
+                ids = sched.requests[i].all_token_ids[start:start + n]
+                tokens[at:at + len(ids)] = ids
+                if len(ids) < n:  # its last token, then the drafts it verifies
+                    tokens[at + len(ids):at + n] = sched.special[i].drafts
         src = self.pending[rows]
         waiting = known & (src >= 0)
         return tokens, offsets[waiting], src[waiting]
 
-    def note_sampled(self, step: StepRows, tokens: np.ndarray) -> None:
-        """The tokens a step sampled, one per `step.sampler_rows`, known on the host."""
+    def note_sampled(self, step: StepRows, tokens: np.ndarray,
+                     shift: np.ndarray | None = None) -> None:
+        """The tokens a step sampled, one per `step.sampler_rows`, known on the host (each
+        `shift` positions from the step's last plus one: see ModelRunner.note_sampled)."""
         ok = self.epoch[step.sampler_rows] == step.sampler_epochs
         rows = step.sampler_rows[ok]
         self.last_token[rows] = np.asarray(tokens, dtype=np.int64)[ok]
-        self.last_pos[rows] = step.sampler_positions[ok]
+        positions = step.sampler_positions if shift is None else step.sampler_positions + shift
+        self.last_pos[rows] = positions[ok]
         self.pending[rows] = -1
 
     def note_placeholders(self, step: StepRows) -> None:

@@ -237,9 +237,12 @@ class ModelRunner:
         starts, bs = inputs.starts, self.block_size
         return self.tables.host[inputs.rows.rows, starts // bs] * bs + starts % bs
 
-    def note_sampled(self, rows: StepRows, tokens: np.ndarray) -> None:
-        """A step's sampled tokens, on the host now: the next decodes' inputs."""
-        self.tables.note_sampled(rows, tokens)
+    def note_sampled(self, rows: StepRows, tokens: np.ndarray,
+                     shift: np.ndarray | None = None) -> None:
+        """A step's sampled tokens, on the host now: the next decodes' inputs (each `shift`
+        positions from the one sampled after the step's last: a request that verified drafts
+        ends where its accepted ones did)."""
+        self.tables.note_sampled(rows, tokens, shift)
 
     def note_placeholders(self, rows: StepRows) -> None:
         """A step's sampled tokens are still on the device (an overlapped step)."""

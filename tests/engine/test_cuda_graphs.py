@@ -349,3 +349,29 @@ def test_no_kernel_compiles_again_once_serving(tiny_qwen3, monkeypatch):
     variants = {"rms_norm": 2}  # the first norm of a step alone, every other with the residual
     for name, recorder in {**recorders, **layer_recorders}.items():
         assert len(recorder.keys) <= variants.get(name, 1), (name, list(recorder.keys))
+
+
+def test_verification_steps_replay_the_piecewise_graphs(tiny_llama, tokenizer, monkeypatch):
+    """Speculative decoding's k + 1 rows a request (tests/engine/test_speculative.py) go
+    through the piecewise graphs' stand-in, the same tokens as the plain eager engine."""
+    from tests.engine.test_speculative import NGRAM, Oracle
+
+    prompts = make_prompts(tokenizer, n=6)
+    plain = cuda_path_engine(tiny_llama, monkeypatch, graphs=False)
+    for i, p in enumerate(prompts):
+        plain.add_request(f"r{i}", p, SamplingParams(max_tokens=12, temperature=0.0,
+                                                     logprobs=2))
+    want = run(plain)
+    core = cuda_path_engine(tiny_llama, monkeypatch, graphs=True, speculative=NGRAM)
+    core.proposer = Oracle(core, {r: c.token_ids for r, c in want.items()})  # type: ignore[assignment]
+    for i, p in enumerate(prompts):
+        core.add_request(f"r{i}", p, SamplingParams(max_tokens=12, temperature=0.0,
+                                                    logprobs=2))
+    got = run(core)
+    assert core.stats().spec_accepted_tokens > 0
+    pieces = core.runner.piecewise
+    assert pieces is not None and sum(pieces.replays.values()) > 0
+    for rid, w in want.items():
+        assert got[rid].token_ids == w.token_ids, rid
+        assert got[rid].logprobs == pytest.approx(w.logprobs, abs=ATOL), rid
+    assert_drained(core)

@@ -74,22 +74,21 @@ def test_logprob_rows_and_grammar_rows():
 
 def test_an_empty_step_builds_an_empty_batch():
     batch = batch_of([], VOCAB)
-    assert batch.num_rows == 0 and batch.num_logits_rows == 0 and not len(batch.sampled)
+    assert batch.num_rows == 0 and not len(batch.sampled)
 
 
-def test_draft_tokens_give_each_row_k_plus_one_logits_rows_and_are_refused_for_now():
-    """The interface speculative decoding will fill: row i owns logits rows
-    [logits_start[i], logits_start[i] + k_i]. No sampler verifies drafts yet."""
+def test_draft_tokens_give_each_request_k_plus_one_rows():
+    """A request verifying k drafts has k + 1 consecutive rows from its group start (their
+    edits: tests/unit/engine_core/sample/test_speculative.py)."""
     from engine_core.sample.batch_builder import build_sampling_batch
 
     reqs = requests([SamplingParams()] * 3)
     drafts = Drafts(np.array([0, 2, 1]), np.array([11, 12, 13]))
     batch = build_sampling_batch(reqs, VOCAB, [], torch.Generator(), drafts)
-    assert batch.logits_start.tolist() == [0, 1, 4] and batch.num_logits_rows == 6
-    with pytest.raises(NotImplementedError):
-        batch.check(torch.zeros(6, 4))
+    assert batch.group_starts.tolist() == [0, 1, 4] and batch.num_rows == 6
+    batch.check(torch.zeros(6, 4))
     plain = batch_of(reqs, VOCAB)
-    assert plain.logits_start.tolist() == [0, 1, 2]
+    assert plain.group_starts.tolist() == [0, 1, 2]
     plain.check(torch.zeros(3, 4))
     with pytest.raises(ValueError):
         plain.check(torch.zeros(4, 4))
