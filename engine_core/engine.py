@@ -35,7 +35,7 @@ from engine_core.sample.sampler import Sampler
 from engine_core.sample.sampling_batch import Drafts, SamplingBatch
 from engine_core.sample.speculative import Accepted, accept, rewind
 from engine_core.sched.block_manager import BlockManager
-from engine_core.sched.request import Request, Status
+from engine_core.sched.request import PLACEHOLDER, Request, Status
 from engine_core.sched.scheduler import Scheduler, SchedulerOutput
 from engine_core.sched.stop_rules import Stop, StopRules
 from engine_core.spec.ngram import NgramProposer
@@ -198,6 +198,8 @@ class EngineCore:
             else:
                 sched = self.scheduler.schedule()
                 self._drop_preempted(sched.preempted)
+                if sched.num_drafts and self.runner.drafter is not None:
+                    self._draft(sched)
                 launched = self._launch(sched, inflight) if sched.requests else None
                 if not self.async_scheduling and launched is not None:
                     self._record(launched, placeholders=False)
@@ -304,6 +306,18 @@ class EngineCore:
             room = min(req.output_limit - len(req.output_token_ids),
                        self.max_model_len - len(req.all_token_ids)) - 1
             req.drafts = self.proposer.propose(req.all_token_ids, room)
+
+    def _draft(self, sched: SchedulerOutput) -> None:
+        """The draft model's tokens in place of the step's draft placeholders (its slots are
+        allocated now: drafter.py)."""
+        assert self.runner.drafter is not None
+        items = [s for s in sched.special.values() if s.drafts]
+        drafts = self.runner.drafter.propose([s.request for s in items],
+                                             [len(s.drafts) for s in items],
+                                             self.runner.draft_forward)
+        for s, tokens in zip(items, drafts):
+            s.drafts = tuple(tokens)
+            s.request.drafts = tokens
 
     def _count_verified(self, drafted: np.ndarray, verified: Accepted) -> None:
         """vLLM's spec_decode counters: drafts, their tokens, accepted ones and where."""
@@ -424,12 +438,23 @@ def _drafts(sched: SchedulerOutput, samplers: list[Request]) -> Drafts | None:
     return Drafts(sched.draft_counts(), np.asarray(tokens, dtype=np.int64))
 
 
-def _proposer(config: EngineConfig) -> NgramProposer | None:
+class _DraftSlots:
+    """A draft model's proposals, before it makes them: room for k tokens, placeholders the
+    step fills once it is scheduled (EngineCore._draft)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        return [PLACEHOLDER] * min(self.k, limit)
+
+
+def _proposer(config: EngineConfig) -> NgramProposer | _DraftSlots | None:
     spec = config.speculative
     if spec is None:
         return None
-    if spec.kind != "ngram":
-        raise ValueError(f"--speculative-config: method {spec.kind} is not served yet")
+    if spec.kind == "draft_model":
+        return _DraftSlots(spec.num_speculative_tokens)
     low, high = spec.ngram_sizes
     return NgramProposer(spec.num_speculative_tokens, low, high)
 

@@ -52,6 +52,8 @@ class Request:
         # speculative decoding: tokens proposed to follow its last one, verified with it by the
         # next step that schedules it (engine_core/spec/)
         self.drafts: list[int] = []
+        # a draft model's K/V is in place below this position (engine_core/worker/drafter.py)
+        self.draft_computed = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -104,4 +106,5 @@ class Request:
         self.block_ids = []
         self.num_published_blocks = 0
         self.drafts = []
+        self.draft_computed = 0
         self.status = Status.WAITING

@@ -36,6 +36,7 @@ from engine_core.layers.lm_head import LMHead
 from engine_core.sample.device_sampler import DeviceSampler, HeadWeights
 from engine_core.sched.scheduler import SchedulerOutput
 from engine_core.worker.cuda_graphs import GraphRunner, reserve_bytes
+from engine_core.worker.drafter import Drafter
 from engine_core.worker.input_batch import BlockTables, StepInputs, StepRows
 from engine_core.worker.loader import load
 from engine_core.worker.memory_profile import StepMemory, max_useful_blocks, measure_step
@@ -105,12 +106,18 @@ class ModelRunner:
                         if platform.attention == "cuda" else None)
         self._metadata = self._metadata_builder(platform.attention, platform.head_kernels)
         self.kv_shape = _kv_shape(text)
+        spec = config.speculative
+        self.drafter = (Drafter(config, platform, self.facts.max_model_len,
+                                self.facts.vocab_size)
+                        if spec is not None and spec.kind == "draft_model" else None)
         cuda_path = platform.attention == "cuda"
         graph_sizes = platform.cuda_graph_sizes if cuda_path else ()
         piece_sizes = platform.piecewise_sizes if cuda_path and self.pieces is not None else ()
         self.num_blocks = self._num_blocks(config, platform, graph_sizes, piece_sizes)
         # graphs' padded rows write their K/V into one more block, never handed out
         self.kv_caches = self._allocate_kv(self.num_blocks + (1 if graph_sizes else 0))
+        if self.drafter is not None:  # its K/V in the same blocks as the target's
+            self.drafter.allocate(self.num_blocks + (1 if graph_sizes else 0), self.block_size)
         self.tables = BlockTables(platform.max_num_seqs,
                                   -(-self.facts.max_model_len // self.block_size),
                                   self.block_size, self.device, self.link,
@@ -134,7 +141,8 @@ class ModelRunner:
         tokens can fill."""
         if config.num_kv_blocks:
             return config.num_kv_blocks
-        per_block = self.kv_shape.block_bytes(self.block_size, self.dtype)
+        per_block = self.kv_shape.block_bytes(self.block_size, self.dtype) + (
+            0 if self.drafter is None else self.drafter.block_bytes(self.block_size))
         if not platform.profiles_memory:
             return max(1, platform.kv_cache_budget() // per_block)
         measured = self.profile_step(platform.max_num_batched_tokens, platform.max_num_seqs)
@@ -232,6 +240,24 @@ class ModelRunner:
             return _rows(hidden, keep_rows, self.link), inputs.rows
         tables = TableView(self.tables.host, self.tables.device, inputs.rows.rows)
         return self.forward(inputs, tables, keep_rows, self.kv_caches, previous), inputs.rows
+
+    @torch.inference_mode()
+    def draft_forward(self, starts: np.ndarray, num_new: np.ndarray, token_ids: np.ndarray,
+                      requests: list[Any], kv_caches: KVCaches) -> torch.Tensor:
+        """The draft model's forward (drafter.py) over these requests' positions [starts[i],
+        starts[i] + num_new[i]) (their slots allocated), its K/V into `kv_caches`: the final
+        hidden states at each request's last row."""
+        assert self.drafter is not None
+        rows = self.tables.rows_for(requests)
+        self.tables.sync(requests, rows, starts + num_new)
+        meta, positions = self._metadata(starts, num_new,
+                                         TableView(self.tables.host, self.tables.device, rows),
+                                         kv_caches)
+        ids, position_ids = self.link.upload_many([token_ids, positions], np.int64)
+        hidden: torch.Tensor = self.drafter.decoder(ids, position_ids.int(), meta)
+        if int(num_new.max()) == 1:
+            return hidden
+        return hidden.index_select(0, self.link.upload(np.cumsum(num_new) - 1))
 
     def _decode_slots(self, inputs: StepInputs) -> np.ndarray:
         starts, bs = inputs.starts, self.block_size

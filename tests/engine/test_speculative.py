@@ -13,6 +13,7 @@ counters; and, on a small vocabulary, draws whose distribution is the target's.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from typing import Any
@@ -229,3 +230,62 @@ def test_rejection_sampling_keeps_the_targets_distribution(tiny_llama):
         keys = sorted(set(a) | set(b))
         table = np.array([[a[k] for k in keys], [b[k] for k in keys]]) + 0.5
         assert chi2_contingency(table).pvalue > 1e-3, (a, b)
+
+
+# -- a draft model ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A second tiny Llama with the target's tokenizer: one layer, its own random weights."""
+    from engine_core.worker.default_model import DEFAULT, ensure_model
+
+    spec = dataclasses.replace(DEFAULT, name="tandem-tiny-llama-draft", num_layers=1, seed=7)
+    return ensure_model(spec, tmp_path_factory.mktemp("draft"))
+
+
+def draft_config(model: Any, k: int = 3) -> Any:
+    return parse_speculative_config(f'{{"model": "{model}", "num_speculative_tokens": {k}, '
+                                    '"disable_by_batch_size": 1024}')
+
+
+@pytest.mark.parametrize("setup", ["roomy", "preemption", "chunked"])
+def test_the_target_as_its_own_draft_accepts_every_token(tiny_llama, tokenizer, reference,
+                                                         setup):
+    """Greedy drafts of the target itself are its own tokens: every one accepted, the output
+    the plain engine's and Hugging Face's, in a third of the steps or fewer."""
+    prompts = make_prompts(tokenizer, n=10)
+    kw = {"roomy": {}, "preemption": {"num_kv_blocks": 14},
+          "chunked": {"max_num_batched_tokens": 24}}[setup]
+    want = plain_run(tiny_llama, prompts, max_tokens=MAX_NEW)
+    core = EngineCore(EngineConfig(model=str(tiny_llama),
+                                   **{"num_kv_blocks": 256, "block_size": 8, **kw},
+                                   speculative=draft_config(tiny_llama)))
+    submit(core, prompts, max_tokens=MAX_NEW)
+    got = run(core)
+    assert_same(got, want)
+    assert_parity(got, prompts, reference)
+    stats = core.stats()
+    assert stats.spec_draft_tokens > 0
+    if setup == "roomy":
+        assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+    if setup == "preemption":
+        assert stats.preemptions > 0
+    if setup == "chunked":
+        assert stats.chunked_prefills > 0
+    assert_drained(core)
+
+
+def test_another_draft_model_keeps_the_targets_tokens(tiny_llama, tiny_draft, tokenizer):
+    prompts = make_prompts(tokenizer, n=8)
+    want = plain_run(tiny_llama, prompts)
+    core = EngineCore(EngineConfig(model=str(tiny_llama), num_kv_blocks=256, block_size=8,
+                                   speculative=draft_config(tiny_draft, k=2)))
+    submit(core, prompts)
+    assert_same(run(core), want)
+    assert core.stats().spec_draft_tokens > 0
+    assert_drained(core)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_llama, tiny_qwen2):
+    with pytest.raises(ValueError, match="vocabulary"):
+        EngineCore(EngineConfig(model=str(tiny_llama), num_kv_blocks=64,
+                                speculative=draft_config(tiny_qwen2)))
