@@ -30,14 +30,18 @@ LOGPROBS = (None, 0, 1, 5)
 ATOL = 1e-4
 
 
-# The matrix runs twice: as outputs come, and with every stream merging 2 engine steps into
+# The matrix runs three times: as outputs come; with every stream merging 2 engine steps into
 # each chunk (the test-only --merge-steps), so the merged path of a stream that fell behind is
-# checked against the same references even on a machine fast enough never to fall behind.
-@pytest.fixture(scope="module", params=[1, 2], ids=["as-they-come", "merged"])
+# checked against the same references even on a machine fast enough never to fall behind; and
+# with speculative decoding, the model as its own draft, so that most steps bring each request
+# several tokens (its accepted drafts and one more) as rows of one engine message.
+@pytest.fixture(scope="module", params=["as-they-come", "merged", "speculative"])
 def server(tiny_llama: Path, tmp_path_factory, request):
+    flags = {"as-they-come": ["--merge-steps", "1"], "merged": ["--merge-steps", "2"],
+             "speculative": ["--speculative-config", f'{{"model": "{tiny_llama}", '
+                             '"num_speculative_tokens": 3}']}[request.param]
     srv = Server(
-        tiny_llama, tmp_path_factory.mktemp("srv"), "--max-model-len", "512",
-        "--merge-steps", str(request.param),
+        tiny_llama, tmp_path_factory.mktemp("srv"), "--max-model-len", "512", *flags,
     ).wait_healthy()
     yield srv
     assert srv.stop() == 0
