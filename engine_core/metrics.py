@@ -1,4 +1,5 @@
-"""The whole server's latency histograms, added up from every frontend's reports.
+"""The whole server's latency histograms, added up from every frontend's reports; and the
+engine's periodic stats line (`StatsLog`).
 
 Latencies (time to first token, inter-token latency, end-to-end) can only be measured where
 tokens reach the client, in the frontends; counters and gauges are the engine's own
@@ -17,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
-from shared.messages import Histogram, MetricsReport
+from shared.messages import EngineStats, Histogram, MetricsReport
 
 log = logging.getLogger(__name__)
 MAX_HISTOGRAMS = 16  # distinct names kept; frontends report three
@@ -76,3 +78,50 @@ class HistogramTotals:
         """Copies of the totals, ready for the wire."""
         return [Histogram(t.name, list(t.bounds), list(t.counts), t.sum)
                 for t in self._totals.values()]
+
+
+LOG_STATS_EVERY_S = 10.0  # vLLM's interval
+
+
+class StatsLog:
+    """vLLM's periodic engine log line, every LOG_STATS_EVERY_S while the engine works: the
+    prompt and generation throughput since the last line, the queue, the KV cache's use, the
+    prefix cache's hit rate and, with speculative decoding, the drafts' acceptance (mean
+    acceptance length = 1 + accepted / drafts, per-position rates, the share accepted)."""
+
+    def __init__(self, every_s: float = LOG_STATS_EVERY_S) -> None:
+        self.every_s = every_s
+        self.last: EngineStats | None = None
+        self.last_at = time.monotonic()
+
+    def due(self, now: float) -> bool:
+        return now - self.last_at >= self.every_s
+
+    def line(self, stats: EngineStats, now: float) -> str | None:
+        """The line for `stats` (None when nothing ran since the last); starts a new period."""
+        last, elapsed = self.last or EngineStats(), max(now - self.last_at, 1e-9)
+        self.last, self.last_at = stats, now
+        prompt = stats.prompt_tokens - last.prompt_tokens
+        generated = stats.generation_tokens - last.generation_tokens
+        if not prompt and not generated:
+            return None
+        used = 1 - stats.free_blocks / stats.num_blocks if stats.num_blocks else 0.0
+        queries = stats.prefix_queries - last.prefix_queries
+        hits = stats.prefix_hits - last.prefix_hits
+        text = (f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, Avg generation "
+                f"throughput: {generated / elapsed:.1f} tokens/s, Running: {stats.running} reqs, "
+                f"Waiting: {stats.waiting} reqs, KV cache usage: {100 * used:.1f}%, Prefix cache "
+                f"hit rate: {100 * hits / queries if queries else 0.0:.1f}%")
+        drafts = stats.spec_drafts - last.spec_drafts
+        if drafts:
+            drafted = stats.spec_draft_tokens - last.spec_draft_tokens
+            accepted = stats.spec_accepted_tokens - last.spec_accepted_tokens
+            before = last.spec_accepted_per_pos
+            per_pos = [(n - (before[i] if i < len(before) else 0)) / drafts
+                       for i, n in enumerate(stats.spec_accepted_per_pos)]
+            text += (f"; SpecDecoding metrics: Mean acceptance length: "
+                     f"{1 + accepted / drafts:.2f}, Accepted: {accepted} tokens, Drafted: "
+                     f"{drafted} tokens, Per-position acceptance rate: "
+                     f"{', '.join(f'{r:.3f}' for r in per_pos)}, Avg Draft acceptance rate: "
+                     f"{100 * accepted / drafted if drafted else 0.0:.1f}%")
+        return text

@@ -31,7 +31,7 @@ import zmq
 
 from engine_core.engine import EngineCore
 from engine_core.liveness import TICK_S, FrontendLiveness, LoopProgress, RunningClock
-from engine_core.metrics import HistogramTotals
+from engine_core.metrics import HistogramTotals, StatsLog
 from shared.curve import secure_server, warn_if_open
 from shared.kv_events import KvEventsConfig, KvEventsFormat
 from shared.kv_publisher import KvEventPublisher
@@ -64,12 +64,13 @@ class EngineProcess:
     def __init__(self, core: EngineCore, listen: str, ready: Ready,
                  frontend_timeout_s: float = 5.0, curve_keys: str | None = None,
                  kv_events: KvEventsConfig | None = None,
-                 kv_events_format: KvEventsFormat = "map") -> None:
+                 kv_events_format: KvEventsFormat = "map", log_stats: bool = True) -> None:
         """`frontend_timeout_s`: a frontend that pinged and then stays silent this long is
         gone, and its requests are aborted. `curve_keys`: a key folder (shared/curve.py); only
         clients holding a listed keypair then reach the socket (and the KV-event sockets).
         `kv_events`: publish the prefix cache's changes (vLLM's format, or its older array
-        form with `kv_events_format`; `ready` then names where, for the frontends' routers)."""
+        form with `kv_events_format`; `ready` then names where, for the frontends' routers).
+        `log_stats`: the periodic stats line (metrics.py, `StatsLog`; --disable-log-stats)."""
         self.core = core
         self.listen = listen
         self.ready = ready
@@ -88,6 +89,7 @@ class EngineProcess:
         self.trimmer = MemoryTrimmer()
         self._next_trim = time.monotonic() + TRIM_EVERY_S
         self._stepped_since_trim = False
+        self.stats_log = StatsLog() if log_stats else None
         self.router = self.ctx.socket(zmq.ROUTER)
         configure(self.router)
         if curve_keys is None:
@@ -124,7 +126,15 @@ class EngineProcess:
         if self.core.has_work:
             self._step()
             self._trim_heap(idle=False)
+            self._log_stats()
         self._reap_lost_frontends()
+
+    def _log_stats(self) -> None:
+        now = time.monotonic()
+        if self.stats_log is not None and self.stats_log.due(now):
+            line = self.stats_log.line(self.core.stats(), now)
+            if line is not None:
+                log.info("%s", line)
 
     def stop(self) -> None:
         """Ask the loop to end (safe from a signal handler: it only sets a flag)."""
@@ -281,10 +291,10 @@ class EngineProcess:
 
 def serve(core: EngineCore, listen: str, ready: Ready, curve_keys: str | None = None,
           kv_events: KvEventsConfig | None = None,
-          kv_events_format: KvEventsFormat = "map") -> None:
+          kv_events_format: KvEventsFormat = "map", log_stats: bool = True) -> None:
     """Run the engine until SIGINT/SIGTERM."""
     proc = EngineProcess(core, listen, ready, curve_keys=curve_keys, kv_events=kv_events,
-                         kv_events_format=kv_events_format)
+                         kv_events_format=kv_events_format, log_stats=log_stats)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: proc.stop())
     proc.run()
