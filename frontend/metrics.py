@@ -6,6 +6,11 @@ metric names, each series labelled with its engine's rank (`engine="K"`, vLLM's 
 engine is engine "0"): the gauges (running, waiting, KV cache usage), counters (tokens, finished
 requests by reason, prefix cache, preemptions) and `vllm:cache_config_info` (block size and
 block count, what llm-d's endpoint picker reads next to the queue gauges) are the engine's own.
+With speculative decoding (the engines' `Ready` says how many tokens a draft has), vLLM's
+`spec_decode` counters too, with vLLM's help texts and a series per draft position, and only
+then, as vLLM creates them only with a speculative config (`tests/data/spec_decode/` holds the
+lines vLLM 0.32 writes; the `_created` series prometheus-client adds to vLLM's are left out, as
+for every counter here).
 Latencies (TTFT, inter-token, end-to-end) can only be measured where tokens arrive, in the
 frontends: each frontend's `LatencyRecorder` (frontend/engine/latency.py) buckets its
 observations and sends them to the engine that ran the requests as `MetricsReport` messages,
@@ -38,10 +43,12 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REJECTED = (FinishReason.OVERLOADED, FinishReason.ERROR)
 
 
-def render(engines: Sequence[tuple[int, EngineStats]], model_name: str) -> bytes:
-    """The Prometheus text exposition of the engines' figures, by (rank, stats)."""
+def render(engines: Sequence[tuple[int, EngineStats]], model_name: str,
+           spec_tokens: int = 0) -> bytes:
+    """The Prometheus text exposition of the engines' figures, by (rank, stats); with
+    `spec_tokens` (the draft length, 0: no speculation) the spec_decode counters too."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_StatsCollector(engines, model_name))
+    registry.register(_StatsCollector(engines, model_name, spec_tokens))
     return generate_latest(registry)
 
 
@@ -49,14 +56,16 @@ class _StatsCollector:
     """A one-scrape prometheus-client collector over the engines' stats snapshots: one family
     per metric, one series per engine in it."""
 
-    def __init__(self, engines: Sequence[tuple[int, EngineStats]], model_name: str) -> None:
+    def __init__(self, engines: Sequence[tuple[int, EngineStats]], model_name: str,
+                 spec_tokens: int) -> None:
         self.engines = engines
         self.model = model_name
+        self.spec_tokens = spec_tokens
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
         for rank, stats in self.engines:
-            for family in _EngineSeries(self.model, str(rank)).families(stats):
+            for family in _EngineSeries(self.model, str(rank), self.spec_tokens).families(stats):
                 if family.name in families:
                     families[family.name].samples.extend(family.samples)
                 else:
@@ -67,9 +76,10 @@ class _StatsCollector:
 class _EngineSeries:
     """One engine's series, labelled with its model name and rank."""
 
-    def __init__(self, model_name: str, engine: str) -> None:
+    def __init__(self, model_name: str, engine: str, spec_tokens: int = 0) -> None:
         self.model = model_name
         self.engine = engine
+        self.spec_tokens = spec_tokens
 
     def families(self, stats: EngineStats) -> Iterator[Metric]:
         yield self._info("vllm:cache_config_info", "The KV cache's configuration.", {
@@ -108,6 +118,23 @@ class _EngineSeries:
                           (ITL, "Time between consecutive tokens of a request, seconds."),
                           (E2E, "Request latency from arrival to finish, seconds.")):
             yield self._histogram(name, doc, reported.get(name))
+        if self.spec_tokens:
+            yield from self._spec_decode(stats)
+
+    def _spec_decode(self, stats: EngineStats) -> Iterator[Metric]:
+        """vLLM's spec_decode counters (its SpecDecodingProm: names, help texts, a series per
+        draft position 0..k-1, zeros included, positions past k left out)."""
+        yield self._counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                            stats.spec_drafts)
+        yield self._counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                            stats.spec_draft_tokens)
+        yield self._counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                            stats.spec_accepted_tokens)
+        per_pos = list(stats.spec_accepted_per_pos[:self.spec_tokens])
+        per_pos += [0] * (self.spec_tokens - len(per_pos))
+        yield self._by_label("vllm:spec_decode_num_accepted_tokens_per_pos",
+                             "Accepted tokens per draft position.", "position",
+                             {str(pos): count for pos, count in enumerate(per_pos)})
 
     def _info(self, name: str, doc: str, labels: dict[str, str]) -> Metric:
         """vLLM's `*_info` gauges: value 1, the facts in the labels."""

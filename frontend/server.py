@@ -285,7 +285,7 @@ async def metrics(request: web.Request) -> web.Response:
     except (RuntimeError, TimeoutError) as exc:  # EngineDeadError, UtilityError, no answer
         message = f"Metrics are unavailable: the engine did not answer ({exc})."
         return OpenAIError(503, message).to_response()
-    body = render(stats, request.app[SERVED].name)
+    body = render(stats, request.app[SERVED].name, group.ready.num_speculative_tokens)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

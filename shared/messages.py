@@ -100,6 +100,10 @@ class Ready(_Wire, tag="ready"):
     block_size: int = 16
     kv_events_endpoint: str | None = None
     kv_events_replay: str | None = None
+    # Speculative decoding: the most draft tokens a step proposes per request (the
+    # --speculative-config's num_speculative_tokens); 0 when the engine does not speculate.
+    # The frontends publish vLLM's spec_decode counters, one per position, only when it is set.
+    num_speculative_tokens: int = 0
 
 
 class AddRequest(_Wire, tag="add"):

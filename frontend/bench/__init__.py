@@ -8,9 +8,10 @@ own (`round_seed`), so no round measures a prefix cache that an earlier one fill
 dataset's rounds draw from the same file);
 `sweep.run_sweep` repeats that over concurrencies or rates. The package owns: workload.py
 (exact-length prompts, arrival times), datasets.py (random, sharegpt, custom,
-prefix_repetition), client.py (one streamed request), metrics.py (the arithmetic), report.py
-(tables, the rich result file), vllm_result.py (vLLM's flat --save-result file), plots.py
-(PNGs), sweep.py, args.py (the flags) and __main__.py (the CLI).
+prefix_repetition, repeat), client.py (one streamed request), metrics.py (the arithmetic),
+spec_decode.py (speculative decoding's acceptance, from the server's /metrics read around each
+round), report.py (tables, the rich result file), vllm_result.py (vLLM's flat --save-result
+file), plots.py (PNGs), sweep.py, args.py (the flags) and __main__.py (the CLI).
 
 The tokenizer that builds the prompts is `config.tokenizer`, else whatever the server names at
 GET /tokenizer_info (best effort), else A's model id used as a folder or hub id.
@@ -31,9 +32,16 @@ from typing import Any, NamedTuple
 import aiohttp
 from tqdm import tqdm
 
-from frontend.bench.client import RequestOptions, fetch_model_id, fetch_tokenizer_hint, send_request
+from frontend.bench.client import (
+    RequestOptions,
+    fetch_model_id,
+    fetch_spec_counters,
+    fetch_tokenizer_hint,
+    send_request,
+)
 from frontend.bench.datasets import DatasetConfig, sample_prompts
 from frontend.bench.metrics import RequestResult, Summary, summarize
+from frontend.bench.spec_decode import SpecCounters, acceptance, total
 from frontend.bench.workload import Prompt, RampUp, arrival_times, load_tokenizer
 
 
@@ -83,6 +91,7 @@ class Round(NamedTuple):
 
     requests: list[RequestResult]
     duration_s: float
+    spec_decode: SpecCounters | None = None  # the server's spec_decode counters' growth
 
 
 @dataclass(frozen=True)
@@ -153,7 +162,7 @@ async def run_targets(config: BenchConfig, targets: Sequence[Target]) -> list[Be
             for target, opts, done in zip(targets, options, rounds):
                 desc = f"{target.label} round {number}/{config.rounds}"
                 await asyncio.sleep(config.settle_s)
-                done.append(await run_round(session, target, opts, workload, config, desc))
+                done.append(await counted_round(session, target, opts, workload, config, desc))
     return [
         merge_rounds(target, opts.model, done, config)
         for target, opts, done in zip(targets, options, rounds)
@@ -228,6 +237,23 @@ async def warm_up(
         await send_request(session, target.base_url, options, prompts[i], target.api_key)
 
 
+async def counted_round(
+    session: aiohttp.ClientSession,
+    target: Target,
+    options: RequestOptions,
+    workload: Workload,
+    config: BenchConfig,
+    desc: str,
+) -> Round:
+    """`run_round`, with the server's spec_decode counters read before and after it."""
+    before = await fetch_spec_counters(session, target.base_url, target.api_key)
+    done = await run_round(session, target, options, workload, config, desc)
+    after = await fetch_spec_counters(session, target.base_url, target.api_key)
+    if before is None or after is None:
+        return done
+    return done._replace(spec_decode=after.since(before))
+
+
 async def run_round(
     session: aiohttp.ClientSession,
     target: Target,
@@ -264,7 +290,8 @@ def merge_rounds(
     target: Target, model: str, rounds: Sequence[Round], config: BenchConfig
 ) -> BenchResult:
     """One result per target: the requests of all rounds over the sum of their durations; the
-    peaks (tokens/s, concurrency) are the largest of any round."""
+    peaks (tokens/s, concurrency) are the largest of any round; speculative decoding's figures
+    from what the server counted in every round together."""
     requests = [r for one in rounds for r in one.requests]
     duration = sum(one.duration_s for one in rounds)
     summary = summarize(requests, duration, config.goodput_slos_ms or None, config.percentiles)
@@ -273,6 +300,7 @@ def merge_rounds(
         summary,
         max_output_tokens_per_s=max((p.max_output_tokens_per_s for p in peaks), default=0.0),
         max_concurrent_requests=max((p.max_concurrent_requests for p in peaks), default=0),
+        spec_decode=acceptance(total(one.spec_decode for one in rounds)),
     )
     return BenchResult(target, model, tuple(rounds), summary)
 

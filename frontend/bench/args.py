@@ -24,7 +24,8 @@ ENDPOINTS = {
     "/v1/completions": "completions",
     "/v1/chat/completions": "chat",
 }
-DATASET_NAMES = ("random", "sharegpt", "custom", "prefix_repetition", "prefix-repetition")
+DATASET_NAMES = ("random", "sharegpt", "custom", "prefix_repetition", "prefix-repetition",
+                 "repeat")
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p")
 SETTLE_S = 2.0  # --settle's default with --compare (BenchConfig.settle_s)
 T = TypeVar("T")
@@ -124,6 +125,13 @@ def add_datasets(parser: argparse.ArgumentParser) -> None:
     prefix.add_argument("--prefix-repetition-num-prefixes", type=int, default=10,
                         help="prompts per prefix: num_prompts // num_prefixes")
     prefix.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    repeat = parser.add_argument_group(
+        "repeat dataset options (Tandem's: 'Repeat the following text exactly:' and a passage "
+        "of random words, new each round; greedy unless --temperature or --extra-body says)")
+    repeat.add_argument("--repeat-passage-len", type=int, default=256,
+                        help="tokens of the passage to repeat")
+    repeat.add_argument("--repeat-output-len", type=int,
+                        help="max_tokens (default: the passage's length)")
 
 
 def add_traffic(group: argparse._ArgumentGroup) -> None:
@@ -146,7 +154,8 @@ def add_sampling(group: argparse._ArgumentGroup) -> None:
         help="send ignore_eos (default: on for the random dataset, off otherwise, as vLLM)")
     add("--extra-body", type=json_object, default={}, metavar="JSON",
         help='fields added to every request, e.g. \'{"temperature": 0}\'')
-    add("--temperature", type=float)
+    add("--temperature", type=float,
+        help="default: the server's (0 with --dataset-name repeat)")
     add("--top-p", type=float)
     add("--top-k", type=int)
     add("--min-p", type=float)
@@ -215,6 +224,8 @@ def dataset_from_args(args: argparse.Namespace) -> DatasetConfig:
         prefix_repetition_suffix_len=args.prefix_repetition_suffix_len,
         prefix_repetition_num_prefixes=args.prefix_repetition_num_prefixes,
         prefix_repetition_output_len=out if out is not None else args.prefix_repetition_output_len,
+        repeat_passage_len=args.repeat_passage_len,
+        repeat_output_len=out if out is not None else args.repeat_output_len,
     )
 
 
@@ -225,14 +236,15 @@ def check_args(args: argparse.Namespace, dataset: DatasetConfig) -> None:
     for name in ("num_prompts", "rounds"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    if dataset.name in ("random", "prefix_repetition") and dataset.path is not None:
+    if dataset.name in ("random", "prefix_repetition", "repeat") and dataset.path is not None:
         raise ValueError(f"--dataset-name {dataset.name} makes its prompts: drop --dataset-path")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
     if args.settle is not None and not 0 <= args.settle < math.inf:
         raise ValueError("--settle must be a number of seconds, 0 or more")
     lengths = [dataset.random_output_len, dataset.prefix_repetition_output_len,
-               dataset.sharegpt_output_len or 1, dataset.custom_output_len or 1]
+               dataset.sharegpt_output_len or 1, dataset.custom_output_len or 1,
+               dataset.repeat_output_len or 1, dataset.repeat_passage_len]
     if min(lengths) < 1 or dataset.random_input_len < 0 or dataset.random_prefix_len < 0:
         raise ValueError("input lengths must be >= 0 and output lengths >= 1")
 
@@ -248,8 +260,11 @@ def ramp_up_from_args(args: argparse.Namespace) -> RampUp | None:
 
 
 def extra_body_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The sampling flags, then --extra-body on top (it wins, as in vLLM)."""
+    """The sampling flags, then --extra-body on top (it wins, as in vLLM); the repeat dataset
+    asks for greedy output unless told otherwise (its repetition is what it measures)."""
     sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+    if args.dataset_name == "repeat" and sampling["temperature"] is None:
+        sampling["temperature"] = 0.0
     return {name: value for name, value in sampling.items() if value is not None} | args.extra_body
 
 

@@ -1,4 +1,5 @@
-"""The HTTP side of the benchmark: one streamed request -> a RequestResult, plus discovery.
+"""The HTTP side of the benchmark: one streamed request -> a RequestResult, plus discovery
+and the server's speculative decoding counters (GET /metrics).
 
 Works against any OpenAI-compatible server. Requests always stream with
 `stream_options.include_usage`, so the last chunk carries the server's token counts. The SSE
@@ -17,9 +18,11 @@ from typing import Any
 import aiohttp
 
 from frontend.bench.metrics import RequestResult
+from frontend.bench.spec_decode import SpecCounters, parse_counters
 from frontend.bench.workload import Prompt
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+SCRAPE_TIMEOUT_S = 10.0  # a /metrics read between rounds
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,22 @@ async def fetch_json(
         if response.status != 200:
             raise ValueError(f"GET {url}: HTTP {response.status}: {await response.text()}")
         return await response.json(content_type=None)
+
+
+async def fetch_spec_counters(
+    session: aiohttp.ClientSession, base_url: str, api_key: str | None = None
+) -> SpecCounters | None:
+    """The server's speculative decoding counters now (spec_decode.py); None when it has none
+    or /metrics does not answer."""
+    url = f"{normalize_base_url(base_url)}/metrics"
+    timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
+    try:
+        async with session.get(url, headers=auth_headers(api_key), timeout=timeout) as resp:
+            if resp.status != 200:
+                return None
+            return parse_counters(await resp.text())
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+        return None
 
 
 async def fetch_model_id(session: aiohttp.ClientSession, base_url: str, api_key: str | None) -> str:

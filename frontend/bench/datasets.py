@@ -12,6 +12,11 @@
   optional), shuffled by seed; a fixed output length overrides the lines'.
 - prefix_repetition: `num_prefixes` random prefixes of `prefix_len` tokens, each followed by
   num_prompts // num_prefixes random suffixes of `suffix_len` tokens, shuffled (for prefix caches).
+- repeat (Tandem's): "Repeat the following text exactly:\n<passage>\n", a passage of
+  `repeat_passage_len` tokens of random whole words from the tokenizer's vocabulary, new for
+  every seed (so every round: no round reads what a prefix cache kept of another); max_tokens
+  the passage's length unless set. Output that repeats its prompt, the work n-gram speculation
+  accepts most of (with a random-weight model only its own greedy loops repeat).
 
 Files with fewer usable entries than requested are cycled. Token counts are without special
 tokens, as the random prompts are built.
@@ -37,7 +42,9 @@ from frontend.bench.workload import (
     random_text,
 )
 
-DATASETS = ("random", "sharegpt", "custom", "prefix_repetition")
+DATASETS = ("random", "sharegpt", "custom", "prefix_repetition", "repeat")
+REPEAT_INSTRUCTION = "Repeat the following text exactly:\n"
+MIN_WORDS = 1000  # fewer whole-word tokens than this: the passage draws from every token
 # vLLM's pruning of ShareGPT pairs (its is_valid_sequence).
 MIN_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048
 CUSTOM_DEFAULT_OUTPUT_LEN = 256  # vLLM's --custom-output-len default
@@ -60,6 +67,8 @@ class DatasetConfig:
     prefix_repetition_suffix_len: int = 256
     prefix_repetition_num_prefixes: int = 10
     prefix_repetition_output_len: int = 128
+    repeat_passage_len: int = 256
+    repeat_output_len: int | None = None  # None: the passage's length
 
     def describe(self) -> str:
         """A short label for titles and tables, e.g. 'random 1024±0%→128 tok'."""
@@ -73,6 +82,9 @@ class DatasetConfig:
                 f"({self.prefix_repetition_prefix_len}+{self.prefix_repetition_suffix_len})"
                 f"→{self.prefix_repetition_output_len} tok"
             )
+        if self.name == "repeat":
+            output = self.repeat_output_len or self.repeat_passage_len
+            return f"repeat {self.repeat_passage_len}→{output} tok"
         return f"{self.name} {Path(self.path or '?').name}"
 
 
@@ -84,6 +96,8 @@ def sample_prompts(
         return random_prompts(tokenizer, config, num_prompts, seed)
     if config.name == "prefix_repetition":
         return prefix_repetition_prompts(tokenizer, config, num_prompts, seed)
+    if config.name == "repeat":
+        return repeat_prompts(tokenizer, config, num_prompts, seed)
     if config.path is None:
         raise ValueError(f"--dataset-name {config.name} needs --dataset-path FILE")
     if config.name == "sharegpt":
@@ -159,6 +173,40 @@ def prefix_repetition_prompts(
             prompts.append(Prompt(text, length, config.prefix_repetition_output_len))
     random.Random(seed).shuffle(prompts)
     return prompts
+
+
+def repeat_prompts(
+    tokenizer: Any, config: DatasetConfig, num_prompts: int, seed: int
+) -> list[Prompt]:
+    """Prompts asking for a passage of random words back: the instruction and the passage
+    encode to exactly count(instruction) + `repeat_passage_len` tokens (the passage's first word
+    keeps its leading space); input_len counts the whole prompt, the final newline included."""
+    if config.repeat_passage_len < 1:
+        raise ValueError("--repeat-passage-len must be at least 1")
+    rng = np.random.default_rng([seed, 3])
+    words = word_ids(tokenizer)
+    output_len = config.repeat_output_len or config.repeat_passage_len
+    prompts = []
+    for _ in range(num_prompts):
+        text = random_text(tokenizer, config.repeat_passage_len, rng, words,
+                           head=REPEAT_INSTRUCTION) + "\n"
+        prompts.append(Prompt(text, count_tokens(tokenizer, text), output_len))
+    return prompts
+
+
+def word_ids(tokenizer: Any) -> np.ndarray:
+    """The ids of tokens that are a whole word with its leading space (byte-level BPE's "Ġ",
+    SentencePiece's "▁"), so that a passage reads as words; every candidate id when the
+    vocabulary has few of them."""
+    ids = candidate_ids(tokenizer)
+    pieces = tokenizer.convert_ids_to_tokens([int(i) for i in ids])
+    words = ids[[is_word(piece) for piece in pieces]]
+    return words if len(words) >= MIN_WORDS else ids
+
+
+def is_word(piece: str | None) -> bool:
+    word = (piece or "")[1:]
+    return (piece or "")[:1] in ("Ġ", "▁") and len(word) >= 2 and word.isascii() and word.isalpha()
 
 
 def read_json(path: str) -> Any:

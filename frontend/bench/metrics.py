@@ -21,9 +21,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from frontend.bench.spec_decode import SpecDecodeStats
 
 
 class HasRequests(Protocol):
@@ -93,6 +96,8 @@ class Summary:
     errors: Mapping[str, int] = field(default_factory=dict)
     max_output_tokens_per_s: float = 0.0  # the busiest whole second of a round
     max_concurrent_requests: int = 0  # the most requests in flight at once
+    # the server's speculative decoding over the run (None: no counters, or nothing drafted)
+    spec_decode: SpecDecodeStats | None = None
 
     def stats(self, metric: str) -> Stats | None:
         """The statistics of "ttft", "tpot", "itl" or "e2el"."""

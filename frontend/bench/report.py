@@ -24,6 +24,7 @@ from frontend.bench.metrics import (
 
 if TYPE_CHECKING:
     from frontend.bench import BenchConfig, BenchResult
+    from frontend.bench.spec_decode import SpecDecodeStats
 
 WIDTH = 50  # vLLM's table width
 METRIC_TITLES = {
@@ -82,6 +83,8 @@ def format_summary(
             lines.append(row(label, getattr(s, key)))
     for metric in metrics:
         lines += metric_lines(metric, s.stats(metric))
+    if s.spec_decode is not None:
+        lines += spec_decode_lines(s.spec_decode)
     for message, count in sorted(s.errors.items(), key=lambda item: -item[1])[:5]:
         lines.append(f"error x{count}: {message[: WIDTH * 3]}")
     lines.append("=" * WIDTH)
@@ -100,6 +103,23 @@ def metric_lines(metric: str, stats: Stats | None) -> list[str]:
         row(f"Std {short} (ms)", stats.std),
     ]
     lines += [row(f"P{percentile_name(p)} {short} (ms)", v) for p, v in stats.percentiles.items()]
+    return lines
+
+
+def spec_decode_lines(spec: SpecDecodeStats) -> list[str]:
+    """The server's speculative decoding over the run, as `vllm bench serve` prints it."""
+    lines = [
+        f"{'Speculative Decoding':-^{WIDTH}}",
+        row("Acceptance rate (%)", spec.acceptance_rate),
+        row("Acceptance length", spec.acceptance_length),
+        row("Drafts", spec.num_drafts),
+        row("Draft tokens", spec.draft_tokens),
+        row("Accepted tokens", spec.accepted_tokens),
+    ]
+    if spec.per_position_acceptance_rates:
+        lines.append("Per-position acceptance (%):")
+        lines += [row(f"  Position {i}", rate * 100)
+                  for i, rate in enumerate(spec.per_position_acceptance_rates)]
     return lines
 
 
@@ -124,7 +144,19 @@ def comparison_rows(a: Summary, b: Summary, metrics: Sequence[str]) -> list[Comp
         stats_a, stats_b = a.stats(metric), b.stats(metric)
         for name, pick in stat_pickers(stats_a or stats_b):
             rows.append((f"{name} {short} (ms)", pick(stats_a), pick(stats_b), "lower"))
+    if a.spec_decode is not None or b.spec_decode is not None:
+        for key, label in SPEC_FIGURES:
+            rows.append((label, spec_figure(a, key), spec_figure(b, key), "higher"))
     return rows
+
+
+SPEC_FIGURES = (("acceptance_rate", "Acceptance rate (%)"),
+                ("acceptance_length", "Acceptance length"))
+
+
+def spec_figure(summary: Summary, key: str) -> float | None:
+    """A speculative decoding figure, None (n/a) for a server that reported none."""
+    return None if summary.spec_decode is None else float(getattr(summary.spec_decode, key))
 
 
 Picker = Callable[[Stats | None], float | None]

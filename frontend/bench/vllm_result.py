@@ -8,7 +8,9 @@ second. A statistic no request measured is 0.0, as vLLM writes it. `total_input_
 the servers' own usage.prompt_tokens (BOS or a chat template included) when they send it.
 The per-request arrays (`input_lens`, `output_lens`, `ttfts`, `itls`, `latencies`,
 `start_times`, `errors`) are always written (vLLM keeps them only with --save-detailed);
-`start_times` count from the start of the request's round.
+`start_times` count from the start of the request's round. When the server published
+speculative decoding's counters and drafted in the run, vLLM's `spec_decode_*` keys too
+(`spec_decode_acceptance_rate` in percent, the per-position rates as fractions).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from frontend.bench.report import percentile_name
 
 if TYPE_CHECKING:
     from frontend.bench import BenchConfig, BenchResult
+    from frontend.bench.spec_decode import SpecDecodeStats
 
 BACKENDS = {"completions": "openai", "chat": "openai-chat"}  # vLLM's --backend names
 DATE_FORMAT = "%Y%m%d-%H%M%S"
@@ -68,6 +71,8 @@ def vllm_result(
     out |= per_request(result)
     for metric in metrics:
         out |= statistic_keys(metric, result.summary.stats(metric), config.percentiles)
+    if result.summary.spec_decode is not None:
+        out |= spec_decode_keys(result.summary.spec_decode)
     out["base_url"] = result.target.base_url  # Tandem's addition: which server this was
     return out
 
@@ -85,6 +90,17 @@ def totals(s: Summary, with_goodput: bool) -> dict[str, Any]:
         "total_token_throughput": s.total_token_throughput,
         "max_output_tokens_per_s": s.max_output_tokens_per_s,
         "max_concurrent_requests": s.max_concurrent_requests,
+    }
+
+
+def spec_decode_keys(spec: SpecDecodeStats) -> dict[str, Any]:
+    return {
+        "spec_decode_acceptance_rate": spec.acceptance_rate,
+        "spec_decode_acceptance_length": spec.acceptance_length,
+        "spec_decode_num_drafts": spec.num_drafts,
+        "spec_decode_draft_tokens": spec.draft_tokens,
+        "spec_decode_accepted_tokens": spec.accepted_tokens,
+        "spec_decode_per_position_acceptance_rates": list(spec.per_position_acceptance_rates),
     }
 
 

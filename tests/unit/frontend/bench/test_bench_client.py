@@ -33,6 +33,8 @@ from frontend.bench.client import RequestOptions, fetch_model_id, send_request
 from frontend.bench.metrics import itls, output_tokens, ttft
 from frontend.bench.report import format_comparison, format_summary, write_result_file
 from frontend.bench.workload import Prompt
+from frontend.metrics import render
+from shared.messages import EngineStats
 
 DELAYS = (0.05, 0.03, 0.03)  # seconds before each text chunk
 SLACK = 0.1  # how late a chunk may arrive on a loaded machine
@@ -53,6 +55,7 @@ class Fake:
     seen: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
+    speculates: bool = False  # /metrics has vLLM's spec_decode counters (else a 404)
 
 
 FAKE = web.AppKey("fake", Fake)
@@ -104,6 +107,17 @@ async def tokenizer_info(request: web.Request) -> web.Response:
     return web.json_response({"tokenizer_path": path}) if path else web.Response(status=404)
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """Every request served so far drafted once, 3 tokens, the first two accepted."""
+    fake = request.app[FAKE]
+    if not fake.speculates:
+        return web.Response(status=404)
+    n = len(fake.seen)
+    stats = EngineStats(spec_drafts=n, spec_draft_tokens=3 * n, spec_accepted_tokens=2 * n,
+                        spec_accepted_per_pos=[n, n])
+    return web.Response(body=render([(0, stats)], "fake-model", 3), content_type="text/plain")
+
+
 def fake_app(fake: Fake, log: list[str] | None = None) -> web.Application:
     app = web.Application()
     app[FAKE], app[LOG] = fake, log if log is not None else []
@@ -111,6 +125,7 @@ def fake_app(fake: Fake, log: list[str] | None = None) -> web.Application:
     app.router.add_post("/v1/chat/completions", stream)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/tokenizer_info", tokenizer_info)
+    app.router.add_get("/metrics", metrics)
     return app
 
 
@@ -280,6 +295,22 @@ async def test_comparison_alternates_with_the_same_prompts(
     assert len(result_a.round_durations_s) == 2
     table = format_comparison(result_a, result_b)
     assert "A/B" in table and "Mean TTFT (ms)" in table
+
+
+async def test_acceptance_counts_the_rounds_not_the_warm_up(
+    start: Start, tokenizer_dir: str
+) -> None:
+    fake = Fake(tokenizer_path=tokenizer_dir, speculates=True)
+    cfg = config(await start(fake), rounds=2, warmup=2)
+    spec = (await run_benchmark(cfg)).summary.spec_decode
+    assert spec is not None and len(fake.seen) == 2 + 2 * 8
+    assert (spec.num_drafts, spec.draft_tokens, spec.accepted_tokens) == (16, 48, 32)
+    assert spec.acceptance_rate == pytest.approx(200 / 3)
+    assert spec.acceptance_length == pytest.approx(3.0)
+    assert spec.per_position_acceptance_rates == [1.0, 1.0, 0.0]
+    assert "Acceptance length:" in format_summary(await run_benchmark(config(await start(fake))))
+    plain = await run_benchmark(config(await start(Fake(tokenizer_path=tokenizer_dir))))
+    assert plain.summary.spec_decode is None  # /metrics answers 404
 
 
 async def test_serve_exits_1_when_every_request_failed(start: Start, tokenizer_dir: str) -> None:

@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 
 from frontend.bench.datasets import (
+    REPEAT_INSTRUCTION,
     DatasetConfig,
     Pair,
     custom_rows,
+    is_word,
     length_range,
     sample_prompts,
     sharegpt_pairs,
@@ -145,3 +147,37 @@ def test_file_datasets_need_a_readable_path(llama3_tokenizer: Any, tmp_path: Pat
     missing = DatasetConfig(name="sharegpt", path=str(tmp_path / "none.json"))
     with pytest.raises(ValueError, match="could not read"):
         sample_prompts(llama3_tokenizer, missing, 1, seed=0)
+
+
+def test_repeat_asks_for_a_passage_of_words_back(byte_bpe_tokenizer: Any) -> None:
+    config = DatasetConfig(name="repeat", repeat_passage_len=30)
+    prompts = sample_prompts(byte_bpe_tokenizer, config, 5, seed=1)
+    head = count_tokens(byte_bpe_tokenizer, REPEAT_INSTRUCTION)
+    for p in prompts:
+        assert p.text.startswith(REPEAT_INSTRUCTION) and p.text.endswith("\n")
+        passage = p.text.removeprefix(REPEAT_INSTRUCTION).removesuffix("\n")
+        assert count_tokens(byte_bpe_tokenizer, p.text[:-1]) == head + 30  # the passage's 30
+        assert p.input_len == count_tokens(byte_bpe_tokenizer, p.text)
+        assert all(word.isascii() and word.isalpha() for word in passage.split())
+        assert p.output_len == 30  # the passage's length, unless set
+    assert len({p.text for p in prompts}) == 5
+    fixed = DatasetConfig(name="repeat", repeat_passage_len=8, repeat_output_len=50)
+    assert {p.output_len for p in sample_prompts(byte_bpe_tokenizer, fixed, 3, 0)} == {50}
+    assert fixed.describe() == "repeat 8→50 tok"
+
+
+def test_repeat_passages_are_new_for_every_seed(llama3_tokenizer: Any) -> None:
+    config = DatasetConfig(name="repeat", repeat_passage_len=12)
+    one, two = (sample_prompts(llama3_tokenizer, config, 4, seed) for seed in (1, 2))
+    assert one == sample_prompts(llama3_tokenizer, config, 4, 1)
+    assert not {p.text for p in one} & {p.text for p in two}
+    # no passage shares even its first words with another seed's (a prefix cache finds nothing)
+    starts = [p.text.removeprefix(REPEAT_INSTRUCTION).split()[:2] for p in one + two]
+    assert len({tuple(s) for s in starts}) == 8
+    with pytest.raises(ValueError, match="repeat-passage-len"):
+        sample_prompts(llama3_tokenizer, DatasetConfig(name="repeat", repeat_passage_len=0), 1, 0)
+
+
+def test_words_are_whole_word_tokens_else_any_token() -> None:
+    assert [is_word(p) for p in ("Ġcat", "▁Cat", "cat", "Ġc", "Ġ123", "Ġcafé", None)] == [
+        True, True, False, False, False, False, False]

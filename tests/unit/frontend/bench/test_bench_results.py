@@ -138,6 +138,19 @@ def test_flags_map_onto_datasets_and_defaults_follow_vllm() -> None:
          "max-concurrency=1,2"]))
 
 
+def test_the_repeat_dataset_is_greedy_unless_told() -> None:
+    config, _ = parse("--dataset-name", "repeat", "--repeat-passage-len", "64")
+    assert (config.dataset.name, config.dataset.repeat_passage_len) == ("repeat", 64)
+    assert config.dataset.repeat_output_len is None and config.ignore_eos is False
+    assert config.extra_body == {"temperature": 0.0}
+    config, _ = parse("--dataset-name", "repeat", "--temperature", "0.7", "--output-len", "9")
+    assert config.extra_body == {"temperature": 0.7} and config.dataset.repeat_output_len == 9
+    config, _ = parse("--dataset-name", "repeat", "--extra-body", '{"temperature": 1}')
+    assert config.extra_body == {"temperature": 1}
+    config, _ = parse()  # other datasets leave the temperature to the server
+    assert "temperature" not in config.extra_body
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -145,6 +158,7 @@ def test_flags_map_onto_datasets_and_defaults_follow_vllm() -> None:
         (["--ramp-up-strategy", "linear", "--ramp-up-start-rps", "1", "--ramp-up-end-rps",
           "4", "--request-rate", "3"], "drop --request-rate"),
         (["--dataset-path", "x.json"], "drop --dataset-path"),
+        (["--dataset-name", "repeat", "--repeat-passage-len", "0"], "lengths must be"),
         (["--sweep", "threads=1,2"], "max-concurrency=1,4,16"),
         (["--metric-percentiles", "p99"], "metric-percentiles"),
         (["--extra-body", "[1]"], "JSON object"),
