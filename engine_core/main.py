@@ -111,7 +111,9 @@ def ready_message(config: EngineConfig, facts: ModelFacts, rank: int = 0) -> Rea
                  vocab_size=facts.vocab_size, eos_token_ids=list(facts.eos_token_ids),
                  bos_token_id=facts.bos_token_id, engine_pid=os.getpid(),
                  sampling_defaults=dict(facts.sampling_defaults), data_parallel_rank=rank,
-                 block_size=config.block_size)
+                 block_size=config.block_size,
+                 num_speculative_tokens=(config.speculative.num_speculative_tokens
+                                         if config.speculative else 0))
 
 
 if __name__ == "__main__":

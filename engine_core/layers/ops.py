@@ -133,6 +133,9 @@ class NativeOps(TorchOps):
 
     def __init__(self, kernels: native.Kernels) -> None:
         self.kernels = kernels
+        # the step's cos and sin rows, gathered by its first layer for all (every layer of a
+        # step passes the same positions tensor)
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         assert x.is_contiguous() and x.dtype == torch.float32
@@ -165,8 +168,10 @@ class NativeOps(TorchOps):
         if qk_norm is not None:
             q.copy_(rms_norm_reference(q, qk_norm.q_weight, qk_norm.eps))
             k.copy_(rms_norm_reference(k, qk_norm.k_weight, qk_norm.eps))
-        cos = table.cos.index_select(0, positions)
-        sin = table.sin.index_select(0, positions)
+        if self._rows is None or self._rows[0] is not positions:
+            self._rows = (positions, table.cos.index_select(0, positions),
+                          table.sin.index_select(0, positions))
+        _, cos, sin = self._rows
         dim = shape.head_dim
         for part, heads in ((q, shape.heads), (k, shape.kv_heads)):
             self.kernels.rotary(part.data_ptr(), qkv.stride(0), qkv.shape[0], heads, dim,

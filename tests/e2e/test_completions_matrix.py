@@ -220,3 +220,21 @@ async def test_token_id_prompts_and_batches(server, tokenizer):
         await client.completions.create(model=model, prompt="hi", max_tokens=0)
     with pytest.raises(openai.NotFoundError):
         await client.completions.create(model="no-such-model", prompt="hi", max_tokens=1)
+
+
+async def test_the_speculative_server_verified_and_accepted_drafts(server, request):
+    """The matrix above ran through speculation: the server's vLLM counters say drafts were
+    verified and, the model being its own draft, every one accepted."""
+    if request.node.callspec.params["server"] != "speculative":
+        pytest.skip("only the speculative server speculates")
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{server.url}/metrics") as response:
+            text = await response.text()
+    counts = {name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith(name + "{"))
+              for name in ("vllm:spec_decode_num_draft_tokens_total",
+                           "vllm:spec_decode_num_accepted_tokens_total")}
+    drafted = counts["vllm:spec_decode_num_draft_tokens_total"]
+    assert drafted > 100 and counts["vllm:spec_decode_num_accepted_tokens_total"] == drafted
