@@ -38,6 +38,7 @@ from engine_core.sched.block_manager import BlockManager
 from engine_core.sched.request import PLACEHOLDER, Request, Status
 from engine_core.sched.scheduler import Scheduler, SchedulerOutput
 from engine_core.sched.stop_rules import Stop, StopRules
+from engine_core.spec.depth import DraftDepth
 from engine_core.spec.ngram import NgramProposer
 from engine_core.structured.grammar import GrammarCompiler
 from engine_core.validation import params_error, prompt_ids
@@ -57,9 +58,6 @@ from shared.step_outputs import Logprobs
 log = logging.getLogger(__name__)
 
 _GRAMMAR_WAIT_S = 0.005  # an idle step's wait for a compiling grammar: short, new input may come
-# speculative decoding proposes nothing while more requests than this run (vLLM's
-# disable_by_batch_size; measured: docs/benchmarks.md)
-SPEC_MAX_BATCH = 32
 
 
 class _Launched(NamedTuple):
@@ -112,7 +110,9 @@ class EngineCore:
         self.async_scheduling = self.platform.async_scheduling
         self.proposer = _proposer(config)
         spec = config.speculative
-        self.spec_max_batch = (spec.disable_by_batch_size or SPEC_MAX_BATCH) if spec else 0
+        self.spec_max_batch = ((spec.disable_by_batch_size or self.platform.speculation_max_batch)
+                               if spec else 0)
+        self.draft_depth = DraftDepth(spec.num_speculative_tokens) if spec else None
         if self.proposer is not None and self.async_scheduling:
             log.info("speculative decoding: steps are not overlapped (--async-scheduling off)")
             self.async_scheduling = False
@@ -294,18 +294,19 @@ class EngineCore:
 
     def _propose(self, samplers: list[Request]) -> None:
         """Drafts for the requests that just sampled (none while more than `spec_max_batch`
-        requests run, nor for a constrained one), as many as its output and the context
-        leave room for: a verified draft is an output token, and one more follows it."""
-        assert self.proposer is not None
+        requests run, nor for a constrained one), as many as the positions worth verifying
+        (spec/depth.py) and its output and the context leave room for: a verified draft is an
+        output token, and one more follows it."""
+        assert self.proposer is not None and self.draft_depth is not None
         running = len(self.scheduler.running)
+        depth = self.draft_depth.depth() if running <= self.spec_max_batch else 0
         for req in samplers:
             req.drafts = []
-            if req.status is not Status.RUNNING or req.grammar is not None \
-                    or running > self.spec_max_batch:
+            if req.status is not Status.RUNNING or req.grammar is not None or not depth:
                 continue
             room = min(req.output_limit - len(req.output_token_ids),
                        self.max_model_len - len(req.all_token_ids)) - 1
-            req.drafts = self.proposer.propose(req.all_token_ids, room)
+            req.drafts = self.proposer.propose(req.all_token_ids, min(room, depth))
 
     def _draft(self, sched: SchedulerOutput) -> None:
         """The draft model's tokens in place of the step's draft placeholders (its slots are
@@ -321,6 +322,8 @@ class EngineCore:
 
     def _count_verified(self, drafted: np.ndarray, verified: Accepted) -> None:
         """vLLM's spec_decode counters: drafts, their tokens, accepted ones and where."""
+        assert self.draft_depth is not None
+        self.draft_depth.update(drafted, verified.accepted)
         counts = self.counts
         rows = drafted > 0
         accepted = verified.accepted[rows]

@@ -37,6 +37,12 @@ GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of the whole GPU
 LARGE_GPU_BYTES = 70 << 30  # vLLM's larger defaults from here (A100s excepted)
 # attention.py (torch ops; with its decodes on the compiled CPU kernel) | attention_cuda.py
 AttentionBackend = Literal["portable", "native", "cuda"]
+# Speculative decoding's default batch bound. On the CPU a verified row costs compute: n-gram
+# speculation on the 0.5B shape gave 1.43x at batch 1, 0.98x at 4, 0.91x at 8, 1.04x at 16
+# (docs/benchmarks.md). On a GPU a decode step is bound by reading the weights, so rows are
+# nearly free at small batch; vLLM's guidance puts its gain at low concurrency (unmeasured here).
+SPEC_MAX_BATCH_CPU = 4
+SPEC_MAX_BATCH_GPU = 32
 CPU_HEAD_CHUNK = 8192  # vocabulary columns per LM-head task on the CPU (fits the caches)
 
 
@@ -77,6 +83,9 @@ class Platform:
     triton_decode: bool = True  # the CUDA path's decodes on the Triton kernel (TANDEM_...)
     triton_kv_write: bool = True  # ... and its KV-cache write
     triton_ops: bool = True  # ... and the layers' small ops (TANDEM_TRITON_OPS=0: torch's)
+    # speculative decoding proposes nothing while more requests run (unless
+    # disable_by_batch_size says): where verifying a row still costs less than it saves
+    speculation_max_batch: int = 4
     # The LM head's compiled CPU kernels, loaded once; None: torch ops do the head.
     head_kernels: native.Kernels | None = field(default=None, compare=False, repr=False)
 
@@ -133,6 +142,8 @@ class Platform:
             triton_decode=env.get("TANDEM_TRITON_DECODE", "1") != "0",
             triton_kv_write=env.get("TANDEM_TRITON_KV_WRITE", "1") != "0",
             triton_ops=env.get("TANDEM_TRITON_OPS", "1") != "0",
+            speculation_max_batch=(SPEC_MAX_BATCH_GPU if device.type == "cuda"
+                                   else SPEC_MAX_BATCH_CPU),
             head_kernels=kernels,
         )
 

@@ -39,7 +39,8 @@ ATOL = 1e-4
 def server(tiny_llama: Path, tmp_path_factory, request):
     flags = {"as-they-come": ["--merge-steps", "1"], "merged": ["--merge-steps", "2"],
              "speculative": ["--speculative-config", f'{{"model": "{tiny_llama}", '
-                             '"num_speculative_tokens": 3}']}[request.param]
+                             '"num_speculative_tokens": 3, "disable_by_batch_size": 64}']
+             }[request.param]
     srv = Server(
         tiny_llama, tmp_path_factory.mktemp("srv"), "--max-model-len", "512", *flags,
     ).wait_healthy()
