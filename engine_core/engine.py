@@ -252,7 +252,7 @@ class EngineCore:
                 sched, plan.keep, previous.sampled.tokens if previous is not None else None)
             samplers = sched.samplers()
             batch = build_sampling_batch(samplers, self.sampler.vocab, self.facts.eos_token_ids,
-                                         self.generator, _drafts(sched, samplers))
+                                         self.generator, _drafts(sched))
             sampled = self._sample(batch, hidden[plan.num_prompt_rows:])
             prompt_lps = (self.prompt_logprobs.score_step(self.runner.head, plan.prompts, hidden)
                           if plan.prompts else {})
@@ -433,7 +433,7 @@ def _runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
                                                                      else 0)
 
 
-def _drafts(sched: SchedulerOutput, samplers: list[Request]) -> Drafts | None:
+def _drafts(sched: SchedulerOutput) -> Drafts | None:
     """The drafts each sampler verifies this step, or None (no speculation)."""
     if not sched.num_drafts:
         return None
