@@ -279,6 +279,8 @@ class EngineCore:
             self.runner.note_sampled(step.rows, sampled.token_ids)
         else:
             rewind(step.batch.seeded_states, verified.counts)
+            if step.batch.constrained:
+                _adopt_forks(step.samplers, step.batch, verified)
             finished = self.scheduler.resolve(step.sched, sampled.token_ids[verified.rows],
                                               verified.counts)
             self._count_verified(drafts.counts, verified)
@@ -294,7 +296,8 @@ class EngineCore:
 
     def _propose(self, samplers: list[Request]) -> None:
         """Drafts for the requests that just sampled (none while more than `spec_max_batch`
-        requests run, nor for a constrained one), as many as the positions worth verifying
+        requests run, nor for one that thinks before its grammar: the grammar checks a
+        constrained one's, batch_builder.expand), as many as the positions worth verifying
         (spec/depth.py) and its output and the context leave room for: a verified draft is an
         output token, and one more follows it."""
         assert self.proposer is not None and self.draft_depth is not None
@@ -302,7 +305,7 @@ class EngineCore:
         depth = self.draft_depth.depth() if running <= self.spec_max_batch else 0
         for req in samplers:
             req.drafts = []
-            if req.status is not Status.RUNNING or req.grammar is not None or not depth:
+            if req.status is not Status.RUNNING or req.thinking or not depth:
                 continue
             room = min(req.output_limit - len(req.output_token_ids),
                        self.max_model_len - len(req.all_token_ids)) - 1
@@ -460,6 +463,17 @@ def _proposer(config: EngineConfig) -> NgramProposer | _DraftSlots | None:
         return _DraftSlots(spec.num_speculative_tokens)
     low, high = spec.ngram_sizes
     return NgramProposer(spec.num_speculative_tokens, low, high)
+
+
+def _adopt_forks(samplers: list[Request], batch: SamplingBatch, verified: Accepted) -> None:
+    """Each constrained request that verified drafts takes its grammar's fork of the last row
+    it emitted (speculative.py)."""
+    starts = batch.group_starts
+    for i in np.flatnonzero(batch.drafts.counts).tolist():
+        grammar = samplers[i].grammar
+        fork = batch.grammars.get(int(starts[i] + verified.accepted[i]))
+        if grammar is not None and fork is not None:
+            grammar.adopt(fork)
 
 
 def _add_refusals(news: StepNews, refused: list[_Refusal]) -> None:

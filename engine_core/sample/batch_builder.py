@@ -81,16 +81,18 @@ class SamplingRow(Protocol):
 
 class DraftRow:
     """Row j of a request verifying drafts: the request seen with its first j drafts accepted
-    (what the builder reads of a `SamplingRow`; the token lists made only if read)."""
+    (what the builder reads of a `SamplingRow`; the token lists made only if read). A
+    constrained request's row has its grammar's fork after those drafts (RequestGrammar.forks),
+    or none past the drafts its grammar allows (such a row is never emitted)."""
 
-    __slots__ = ("row", "drafts")
+    __slots__ = ("row", "drafts", "grammar", "masked")
 
-    grammar = None  # a constrained request proposes nothing (engine_core/engine.py)
-    masked = False
-
-    def __init__(self, row: SamplingRow, drafts: Sequence[int]) -> None:
+    def __init__(self, row: SamplingRow, drafts: Sequence[int],
+                 grammar: RequestGrammar | None = None) -> None:
         self.row = row
         self.drafts = drafts
+        self.grammar = grammar
+        self.masked = grammar is not None
 
     @property
     def sampling(self) -> RequestSampling:
@@ -105,20 +107,27 @@ class DraftRow:
         return [*self.row.all_token_ids, *self.drafts]
 
 
-def expand(rows: Sequence[SamplingRow], drafts: Drafts) -> list[SamplingRow]:
-    """The batch's rows: each request, or its k + 1 `DraftRow`s when it has k drafts."""
+def expand(rows: Sequence[SamplingRow], drafts: Drafts) -> tuple[list[SamplingRow], np.ndarray]:
+    """The batch's rows: each request, or its k + 1 `DraftRow`s when it has k drafts; and how
+    many of each request's drafts may be accepted (k, or fewer where a grammar refuses one)."""
+    limits = drafts.counts.copy()
     if not len(drafts.token_ids):
-        return list(rows)
+        return list(rows), limits
     out: list[SamplingRow] = []
     at = 0
-    for row, k in zip(rows, drafts.counts.tolist()):
-        if k:
-            ids = drafts.token_ids[at:at + k].tolist()
-            out += [DraftRow(row, ids[:j]) for j in range(k + 1)]
-            at += k
-        else:
+    for i, (row, k) in enumerate(zip(rows, drafts.counts.tolist())):
+        if not k:
             out.append(row)
-    return out
+            continue
+        ids = drafts.token_ids[at:at + k].tolist()
+        at += k
+        if row.grammar is not None and row.masked:  # constrained (and done thinking)
+            forks, limits[i] = row.grammar.forks(ids)
+            out += [DraftRow(row, ids[:j], forks[j] if j < len(forks) else None)
+                    for j in range(k + 1)]
+        else:
+            out += [DraftRow(row, ids[:j]) for j in range(k + 1)]
+    return out, limits
 
 
 def build_sampling_batch(rows: Sequence[SamplingRow], vocab: int,
@@ -134,7 +143,8 @@ def build_sampling_batch(rows: Sequence[SamplingRow], vocab: int,
             own = rows[i].sampling.generator
             if own is not None:
                 seeded_states[i] = (own, own.get_state())
-        rows = expand(rows, drafts)
+        rows, limits = expand(rows, drafts)
+        drafts = Drafts(drafts.counts, drafts.token_ids, limits)
     n = len(rows)
     cols = np.frombuffer(b"".join([r.sampling.columns for r in rows]), np.float64).reshape(n, 5)
     temps = cols[:, 0].astype(np.float32)

@@ -59,10 +59,12 @@ NO_EDITS = Edits(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.fl
 class Drafts(NamedTuple):
     """Draft tokens to verify (speculative decoding): `counts[i]` (k) for request i, their ids
     request after request in `token_ids`; request i has the batch's k + 1 rows from
-    `SamplingBatch.group_starts[i]`."""
+    `SamplingBatch.group_starts[i]`. At most `limits[i]` of them may be accepted (the batch
+    builder's: fewer than k where a grammar refuses a draft or ends at one); None: all."""
 
     counts: np.ndarray  # int64 [rows]
     token_ids: np.ndarray  # int64 [sum of counts]
+    limits: np.ndarray | None = None  # int64 [rows]
 
     @staticmethod
     def none(rows: int) -> Drafts:

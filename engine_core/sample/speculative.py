@@ -13,8 +13,17 @@ proposer's, and a draft model's greedy ones): accepting d_j with probability min
 p_j(d_j) is t_j == d_j, and on rejection t_j is a draw from p_j without d_j, renormalised,
 which is max(0, p_j - q_j) normalised. So each emitted token is drawn from the target's own
 distribution given the tokens before it, as without speculation; greedy rows emit the target's
-argmax at every position. A seeded request's generator is left as after one draw per emitted
-token (`rewind`), so its draws are those it would have made without speculation.
+argmax at every position.
+
+Structured outputs: row j of a constrained request samples under its grammar's fork after
+d_0..d_{j-1} (RequestGrammar.forks), so t_j is the masked target's token given the tokens
+before it, exactly as without speculation; acceptance stops at the first draft the grammar
+refuses or ends at (`Drafts.limits`), and the request's grammar then takes the fork of its last
+emitted row (`adopt`), which has seen exactly the emitted tokens: the rejected drafts are rolled
+back by never having been applied to it.
+
+A seeded request's generator is left as after one draw per emitted token (`rewind`), so its
+draws are those it would have made without speculation.
 """
 
 from __future__ import annotations
@@ -50,6 +59,8 @@ def accept(tokens: np.ndarray, drafts: Drafts) -> Accepted:
         first_wrong = np.where(wrong, offsets, np.repeat(k, k))
         for i in np.flatnonzero(k).tolist():
             accepted[i] = first_wrong[first_draft[i]:first_draft[i] + k[i]].min()
+        if drafts.limits is not None:
+            accepted = np.minimum(accepted, drafts.limits)
     counts = accepted + 1
     rows = np.repeat(starts, counts) + (np.arange(int(counts.sum()))
                                          - np.repeat(np.cumsum(counts) - counts, counts))

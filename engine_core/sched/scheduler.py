@@ -525,9 +525,10 @@ class Scheduler:
             run, at = tokens[at:at + count], at + count
             if req.status is Status.FINISHED:
                 continue
-            for token in run:
+            for j, token in enumerate(run):
                 kept[i] += 1
-                stop = self._append(req, token)
+                # a grammar (its fork of the run's last row, engine.py) has seen the whole run
+                stop = self._append(req, token, grammar_stops=j == count - 1)
                 if stop is not None:
                     finished[req.request_id] = stop
                     break
@@ -547,14 +548,16 @@ class Scheduler:
                 finished[req.request_id] = Stop(FinishReason.LENGTH)
                 self._finish(req, FinishReason.LENGTH)
 
-    def _append(self, req: Request, token: int) -> Stop | None:
+    def _append(self, req: Request, token: int, grammar_stops: bool = True) -> Stop | None:
+        """Append a sampled token and apply the stop rules; and the grammar's, unless
+        `grammar_stops` is False (a token inside a run of accepted drafts)."""
         masked = req.masked  # the grammar chose this token (a thinking request's did not)
         if req.placeholder_row >= 0:
             req.resolve_placeholder(token)
         else:
             req.append_token(token)
         stop = self.stop_rules.check(req, token)
-        if masked:
+        if masked and grammar_stops:
             stop = _grammar_stop(req, token, stop)
         if stop is not None:
             self._finish(req, stop.reason)

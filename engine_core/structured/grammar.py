@@ -12,6 +12,9 @@ engine that never sees a constraint never loads it (nor builds its tokenizer tab
   for the request (each one is appended). Preemption keeps a request's output tokens (it is
   recomputed, not resampled), so the matcher, which has seen exactly those tokens, stays
   valid as it is.
+- Speculative decoding: a constrained request's draft rows each sample under a fork of its
+  matcher (`RequestGrammar.forks`, after the drafts before the row), and the request `adopt`s
+  the fork of the last row it emitted (engine_core/sample/speculative.py).
 
 JSON whitespace: with unbounded whitespace a model can loop on whitespace tokens until
 max_tokens (vLLM #38696), so each gap between JSON tokens holds at most MAX_WHITESPACE
@@ -200,3 +203,27 @@ class RequestGrammar:
     def terminated(self) -> bool:
         """The grammar ended (a stop token was accepted where it may end)."""
         return bool(self.matcher.is_terminated())
+
+    def forks(self, drafts: Sequence[int]) -> tuple[list[RequestGrammar], int]:
+        """Speculative decoding: the grammar as it would be after each prefix of `drafts`
+        (d_0..d_{j-1} for j = 0, 1, ...), each a copy with its own matcher for one draft row to
+        advance, as far as the drafts go on inside the grammar; and how many drafts may be
+        accepted (a draft the grammar refuses, or one that ends it, is not: the rows after it
+        are never emitted). The grammar itself is left as it is."""
+        forks = [self._fork(self.matcher.fork())]
+        walker = self.matcher.fork()
+        for token in drafts:
+            if not walker.accept_token(token) or walker.is_terminated():
+                break
+            forks.append(self._fork(walker.fork()))
+        return forks, len(forks) - 1
+
+    def _fork(self, matcher: xgrammar.GrammarMatcher) -> RequestGrammar:
+        fork = RequestGrammar(self._compiled)
+        fork._matcher = matcher
+        return fork
+
+    def adopt(self, fork: RequestGrammar) -> None:
+        """Take a fork's state: the one whose row's token was emitted last (it has seen
+        exactly the tokens the request now has)."""
+        self._matcher, self.lost = fork._matcher, fork.lost

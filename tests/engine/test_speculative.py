@@ -23,7 +23,7 @@ import pytest
 
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
-from shared.messages import SamplingParams
+from shared.messages import SamplingParams, StructuredOutput
 from shared.speculative import parse_speculative_config
 from tests.engine.driver import Collected, run
 from tests.engine.test_hf_parity import (
@@ -289,3 +289,82 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_llama, tiny_qwen2):
     with pytest.raises(ValueError, match="vocabulary"):
         EngineCore(EngineConfig(model=str(tiny_llama), num_kv_blocks=64,
                                 speculative=draft_config(tiny_qwen2)))
+
+
+# -- structured outputs -----------------------------------------------------------------------
+def constrained_cases() -> list[Any]:
+    from tests.engine.test_structured import GRAMMAR, REGEX, SCHEMAS, json_constraint
+
+    return [json_constraint(s) for s in SCHEMAS[:4]] + [
+        StructuredOutput("regex", REGEX), StructuredOutput("grammar", GRAMMAR),
+        StructuredOutput("json_object")]
+
+
+def submit_constrained(core: EngineCore, prompt: list[int], cases: list[Any],
+                       **params: Any) -> None:
+    for i, constraint in enumerate(cases):
+        core.add_request(f"r{i}", prompt, SamplingParams(
+            **{"max_tokens": 48, "temperature": 0.0, "logprobs": 2, **params},
+            structured=constraint))
+
+
+def assert_in_grammar(core: EngineCore, cases: list[Any], got: dict[str, Collected]) -> None:
+    from tests.engine.test_structured import accepted_prefix
+
+    for i, constraint in enumerate(cases):
+        result = got[f"r{i}"]
+        assert result.finish in ("stop", "length"), result
+        assert accepted_prefix(core, constraint, result.token_ids), i
+
+
+@pytest.mark.parametrize("wrong", [0.0, 0.3])
+def test_constrained_drafts_are_checked_by_the_grammar_and_rolled_back(tiny_llama, tokenizer,
+                                                                        wrong):
+    """Greedy constrained requests verifying drafts emit the plain engine's tokens: drafts the
+    grammar refuses (an oracle's wrong token, one above the true one) are never accepted, those
+    it allows but the target rejects are rolled back, and the grammar's own end (EOS) is the
+    run's end; every output is one the grammar accepts."""
+    cases = constrained_cases()
+    prompt = list(tokenizer("Answer in the requested format:").input_ids)
+    plain = engine(tiny_llama, speculate=False)
+    submit_constrained(plain, prompt, cases)
+    want = run(plain)
+    core = engine(tiny_llama)
+    oracle = Oracle(core, {rid: c.token_ids for rid, c in want.items()}, wrong=wrong)
+    core.proposer = oracle  # type: ignore[assignment]
+    submit_constrained(core, prompt, cases)
+    got = run(core)
+    assert_same(got, want)
+    assert_in_grammar(core, cases, got)
+    stats = core.stats()
+    assert stats.spec_accepted_tokens > 0
+    assert stats.steps < sum(len(c.token_ids) for c in want.values())
+    if wrong:
+        assert stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert_drained(core)
+
+
+def test_sampled_constrained_requests_with_drafts_stay_in_their_grammar(tiny_llama, tokenizer,
+                                                                        tiny_draft):
+    """Sampled rows under their grammars' forks, drafted by the oracle and by a draft model that
+    knows nothing of the grammar: every output is in its grammar, nothing leaks."""
+    cases = constrained_cases()
+    prompt = list(tokenizer("Answer in the requested format:").input_ids)
+    params = {"temperature": 0.8, "seed": 5}
+    plain = engine(tiny_llama, speculate=False)
+    submit_constrained(plain, prompt, cases, **params)
+    want = run(plain)
+    core = engine(tiny_llama)
+    core.proposer = Oracle(core, {rid: c.token_ids for rid, c in want.items()},  # type: ignore[assignment]
+                           wrong=0.2)
+    submit_constrained(core, prompt, cases, **params)
+    got = run(core)
+    assert_in_grammar(core, cases, got)
+    assert core.stats().spec_accepted_tokens > 0
+    assert_drained(core)
+    drafted = EngineCore(EngineConfig(model=str(tiny_llama), num_kv_blocks=256, block_size=8,
+                                      speculative=draft_config(tiny_draft, k=3)))
+    submit_constrained(drafted, prompt, cases, **params)
+    assert_in_grammar(drafted, cases, run(drafted))
+    assert drafted.stats().spec_draft_tokens > 0
+    assert_drained(drafted)

@@ -61,3 +61,13 @@ def test_a_seeded_generator_ends_as_after_one_draw_per_emitted_token():
     again = torch.Generator().manual_seed(5)
     torch.rand(1, generator=again), torch.rand(1, generator=again)
     assert torch.rand(1, generator=generator).item() == torch.rand(1, generator=again).item()
+
+
+def test_acceptance_stops_at_a_requests_limit():
+    """A grammar's limit (batch_builder.expand): no draft at or past it is accepted, even one
+    its row sampled."""
+    drafts = Drafts(np.array([3, 2]), np.array([5, 6, 7, 8, 9]), np.array([1, 2]))
+    tokens = np.array([5, 6, 7, 0, 8, 9, 4])
+    got = accept(tokens, drafts)
+    assert got.accepted.tolist() == [1, 2] and got.counts.tolist() == [2, 3]
+    assert got.rows.tolist() == [0, 1, 4, 5, 6]

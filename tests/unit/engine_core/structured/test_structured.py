@@ -59,3 +59,31 @@ def test_the_mask_allows_a_tab_between_json_tokens_only(compiled):
     any_space = json_schema_grammar(json.dumps(SCHEMA), True, any_whitespace=True)
     between = xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(info).compile_grammar(any_space))
     assert between.accept_string("{") and allows_tab(between)
+
+
+def ids(text: str) -> list[int]:
+    return [VOCAB.index(c) for c in text]
+
+
+def test_forks_follow_the_drafts_the_grammar_allows_and_leave_it_as_it_was(compiled):
+    """Speculative decoding's forks (RequestGrammar.forks): one per draft prefix, each its own
+    matcher; a refused draft, or one that ends the grammar, is the limit; `adopt` takes a
+    fork's state."""
+    from concurrent.futures import Future
+
+    from engine_core.structured.grammar import RequestGrammar
+
+    done: Future[xgrammar.CompiledGrammar] = Future()
+    done.set_result(compiled)
+    grammar = RequestGrammar(done)
+    assert grammar.accept(ids('{"s": "')[0])
+    forks, limit = grammar.forks(ids('"s": "ab'))
+    assert limit == 8 and len(forks) == 9
+    forks, limit = grammar.forks(ids('"s": 1'))  # "1" is refused: the drafts before it count
+    assert limit == 5 and len(forks) == 6
+    assert [f.accept(ids("1")[0]) for f in forks] == [False] * 6
+    assert forks[5].accept(ids('"')[0]) and not forks[4].accept(ids('"')[0])  # own matchers
+    forks, limit = grammar.forks(ids('"s": "ab"}') + [EOS, ids("x")[0]])
+    assert limit == 10  # EOS ends the grammar: it is not accepted as a draft
+    grammar.adopt(forks[10])
+    assert not grammar.terminated and grammar.accept(EOS) and grammar.terminated
