@@ -12,7 +12,8 @@ whose decodes read the placeholders' tokens on the device. So the host schedules
 step N+1 while the device runs step N, and waits once a step, for step N's tokens. Everything
 else is as without: a request finished or aborted in between has its extra token dropped; a
 step whose next one needs its tokens on the host (a grammar's matcher, penalties over the
-output) is completed before anything else is scheduled.
+output, speculative decoding: a step that verifies drafts, or after which drafts may be
+proposed) is completed before anything else is scheduled.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ class _Launched(NamedTuple):
     rows: StepRows  # where its requests are in the runner's block table
     sampled: PendingSample
     prompt_logprobs: dict[str, Logprobs]
+    # the next step needs its tokens on the host (a grammar or penalties read them, it verified
+    # drafts, or speculative decoding proposes from them): overlapped, it completes before
+    # anything else is scheduled
+    blocking: bool
 
 
 class _Refusal(NamedTuple):
@@ -113,9 +118,6 @@ class EngineCore:
         self.spec_max_batch = ((spec.disable_by_batch_size or self.platform.speculation_max_batch)
                                if spec else 0)
         self.draft_depth = DraftDepth(spec.num_speculative_tokens) if spec else None
-        if self.proposer is not None and self.async_scheduling:
-            log.info("speculative decoding: steps are not overlapped (--async-scheduling off)")
-            self.async_scheduling = False
         self._inflight: _Launched | None = None  # an overlapped step not completed yet
         self._said_blocking = False  # logged once: a step the next one must wait for
         self._refused: list[_Refusal] = []
@@ -192,7 +194,7 @@ class EngineCore:
         sched: SchedulerOutput | None = None
         news = StepNews()
         try:
-            if inflight is not None and inflight.batch.reads_outputs:
+            if inflight is not None and inflight.blocking:
                 self._complete(inflight, news)  # nothing else this call: the next one schedules
                 inflight = None
             else:
@@ -217,7 +219,7 @@ class EngineCore:
             # completed before the failure keeps its news; one that was not loses its tokens.
             if sched is not None:
                 victims = list(sched.requests)
-            elif inflight is not None and inflight.batch.reads_outputs:
+            elif inflight is not None and inflight.blocking:
                 victims = []  # completing it failed: only its own requests
             else:
                 victims = list(self.scheduler.requests.values())
@@ -256,11 +258,19 @@ class EngineCore:
             sampled = self._sample(batch, hidden[plan.num_prompt_rows:])
             prompt_lps = (self.prompt_logprobs.score_step(self.runner.head, plan.prompts, hidden)
                           if plan.prompts else {})
-        if batch.reads_outputs and self.async_scheduling and not self._said_blocking:
+        blocking = batch.reads_outputs or bool(sched.num_drafts) or self._speculating()
+        if blocking and self.async_scheduling and not self._said_blocking:
             self._said_blocking = True  # e.g. a model whose defaults set repetition_penalty
-            log.info("a step with a grammar or a penalty over the output: the next step waits "
-                     "for its tokens (no overlap for such steps)")
-        return _Launched(sched, samplers, batch, rows, sampled, prompt_lps)
+            log.info("a step with a grammar, a penalty over the output or speculative decoding: "
+                     "the next step waits for its tokens (no overlap for such steps)")
+        return _Launched(sched, samplers, batch, rows, sampled, prompt_lps, blocking)
+
+    def _speculating(self) -> bool:
+        """Whether the requests that sample now may have drafts proposed after this step:
+        proposals read their tokens, so overlapped steps stop while speculation is on (no
+        more than `spec_max_batch` running) and resume when it is off."""
+        return (self.proposer is not None
+                and len(self.scheduler.running) <= self.spec_max_batch)
 
     def _record(self, step: _Launched, placeholders: bool) -> None:
         """The step's progress in the scheduler, its tokens as placeholders if still queued."""
@@ -291,8 +301,8 @@ class EngineCore:
                      verified)
         _add_prompt_only(news, step.sched, finished)
         _attach_prompt_logprobs(news, step.prompt_logprobs)
-        if self.proposer is not None:
-            self._propose(step.samplers)
+        if self.proposer is not None and (step.blocking or not self.async_scheduling):
+            self._propose(step.samplers)  # (an overlapped step's successor is queued already)
 
     def _propose(self, samplers: list[Request]) -> None:
         """Drafts for the requests that just sampled (none while more than `spec_max_batch`
@@ -305,7 +315,8 @@ class EngineCore:
         depth = self.draft_depth.depth() if running <= self.spec_max_batch else 0
         for req in samplers:
             req.drafts = []
-            if req.status is not Status.RUNNING or req.thinking or not depth:
+            if (req.status is not Status.RUNNING or req.thinking or not depth
+                    or req.placeholder_row >= 0):  # (a step in flight has its next token)
                 continue
             room = min(req.output_limit - len(req.output_token_ids),
                        self.max_model_len - len(req.all_token_ids)) - 1

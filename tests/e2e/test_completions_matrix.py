@@ -34,12 +34,14 @@ ATOL = 1e-4
 # each chunk (the test-only --merge-steps), so the merged path of a stream that fell behind is
 # checked against the same references even on a machine fast enough never to fall behind; and
 # with speculative decoding, the model as its own draft, so that most steps bring each request
-# several tokens (its accepted drafts and one more) as rows of one engine message.
+# several tokens (its accepted drafts and one more) as rows of one engine message, and steps
+# overlapped (--async-scheduling) while more requests run than speculation's bound.
 @pytest.fixture(scope="module", params=["as-they-come", "merged", "speculative"])
 def server(tiny_llama: Path, tmp_path_factory, request):
     flags = {"as-they-come": ["--merge-steps", "1"], "merged": ["--merge-steps", "2"],
              "speculative": ["--speculative-config", f'{{"model": "{tiny_llama}", '
-                             '"num_speculative_tokens": 3, "disable_by_batch_size": 64}']
+                             '"num_speculative_tokens": 3, "disable_by_batch_size": 8}',
+                             "--async-scheduling"]
              }[request.param]
     srv = Server(
         tiny_llama, tmp_path_factory.mktemp("srv"), "--max-model-len", "512", *flags,

@@ -18,6 +18,7 @@ import random
 from collections import Counter
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -368,3 +369,42 @@ def test_sampled_constrained_requests_with_drafts_stay_in_their_grammar(tiny_lla
     assert_in_grammar(drafted, cases, run(drafted))
     assert drafted.stats().spec_draft_tokens > 0
     assert_drained(drafted)
+
+
+# -- overlapped steps -------------------------------------------------------------------------
+@pytest.mark.parametrize("bound", [1024, 4])
+def test_overlapped_steps_with_speculation(tiny_llama, tokenizer, bound):
+    """--async-scheduling with speculation: a step whose requests may be proposed for, or that
+    verifies drafts, completes before the next is scheduled, and steps overlap again while
+    more than the bound run (here, bound 4: once the later requests arrive, until requests of
+    different lengths have finished). Tokens and logprobs are the plain engine's either way."""
+    prompts = make_prompts(tokenizer, n=10)
+    lengths = {f"r{i}": 6 + 3 * i for i in range(len(prompts))}
+
+    def submit_lengths(core: EngineCore, which: range) -> None:
+        for i in which:
+            core.add_request(f"r{i}", prompts[i], SamplingParams(
+                max_tokens=lengths[f"r{i}"], temperature=0.0, logprobs=3))
+
+    plain = engine(tiny_llama, speculate=False)
+    submit_lengths(plain, range(len(prompts)))
+    want = run(plain)
+    spec = msgspec.structs.replace(NGRAM, disable_by_batch_size=bound)
+    core = EngineCore(EngineConfig(model=str(tiny_llama), num_kv_blocks=256, block_size=8,
+                                   async_scheduling=True, speculative=spec))
+    assert core.async_scheduling
+    core.proposer = Oracle(core, {r: c.token_ids for r, c in want.items()})  # type: ignore[assignment]
+    submit_lengths(core, range(3))  # speculated, then joined mid-way by the rest
+    overlapped = []
+
+    def watch(core: EngineCore, step: int) -> None:
+        if step == 4:
+            submit_lengths(core, range(3, len(prompts)))
+        inflight = core._inflight
+        overlapped.append(inflight is not None and not inflight.blocking)
+
+    got = run(core, on_step=watch)
+    assert_same(got, want)
+    assert core.stats().spec_accepted_tokens > 0
+    assert any(overlapped) == (bound < len(prompts))
+    assert_drained(core)
