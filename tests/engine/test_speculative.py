@@ -408,3 +408,23 @@ def test_overlapped_steps_with_speculation(tiny_llama, tokenizer, bound):
     assert core.stats().spec_accepted_tokens > 0
     assert any(overlapped) == (bound < len(prompts))
     assert_drained(core)
+
+
+def test_a_model_that_copies_its_prompt_accepts_nearly_every_ngram_draft(tiny_llama, tmp_path):
+    """tests/bench/spec_copy.py's copying model (a first-order chain over cycles of tokens)
+    continues a prompt's cycle, so n-gram lookup proposes its true tokens: the output is the
+    plain engine's and the chain's, in about a fifth of the steps."""
+    from pathlib import Path
+
+    from tests.bench.spec_copy import chain_model, chain_prompt, make_engine, timed
+
+    cycles = chain_model(Path(tiny_llama), tmp_path / "chain", cycle=16)
+    prompt = chain_prompt(cycles[0], 3, 24)
+    plain = make_engine(tmp_path / "chain", None, 128)
+    spec = make_engine(tmp_path / "chain", 4, 128)
+    _, a = timed(plain, [prompt], 40, "p")
+    _, b = timed(spec, [prompt], 40, "s")
+    assert a["p0"] == b["s0"] == chain_prompt(cycles[0], 3 + 24, 40)
+    stats = spec.stats()
+    assert stats.spec_accepted_tokens >= 0.9 * stats.spec_draft_tokens > 0
+    assert stats.steps <= 14  # a prefill, then 5 tokens a step
