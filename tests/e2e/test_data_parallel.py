@@ -1,6 +1,7 @@
 """`tandem serve --data-parallel-size 2`: two tiny engines of one thread each behind one frontend.
 
-Greedy outputs equal Hugging Face's on either engine; each engine publishes its KV-cache events
+Greedy outputs equal Hugging Face's on either engine, each engine verifying drafts
+(speculative decoding, the model as its own draft); each engine publishes its KV-cache events
 in vLLM 0.32's format on its own ports (read here by Tandem's decoder, which the unit tests hold
 to vLLM's recorded bytes), with replay, and `/reset_prefix_cache` clears every rank;
 `/metrics` shows both engines; and an engine SIGKILLed under load: its requests fail clearly,
@@ -55,7 +56,11 @@ def server(tiny_llama: Path, tmp_path_factory, ports):
               "replay_endpoint": f"tcp://*:{replay}", "topic": "kv@tandem"}
     srv = Server(tiny_llama, tmp_path_factory.mktemp("dp"), "--data-parallel-size", "2",
                  "--max-model-len", "512", "--num-kv-blocks", "64",
-                 "--kv-events-config", json.dumps(events)).wait_healthy()
+                 "--kv-events-config", json.dumps(events),
+                 # each engine verifies drafts (the model as its own draft: all accepted)
+                 "--speculative-config", json.dumps({"model": str(tiny_llama),
+                                                     "num_speculative_tokens": 2})
+                 ).wait_healthy()
     yield srv
     assert srv.stop() == 0
 
@@ -100,6 +105,9 @@ async def test_greedy_outputs_equal_hf_on_either_engine(server, tiny_llama) -> N
         generated = await metric(session, server.url, "vllm:generation_tokens_total")
         assert set(generated) == {"0", "1"}
         assert all(v >= len(prompts) * MAX_NEW for v in generated.values()), generated
+        accepted = await metric(session, server.url,
+                                "vllm:spec_decode_num_accepted_tokens_total")
+        assert set(accepted) == {"0", "1"} and min(accepted.values()) > 0, accepted
         status, body = await complete(session, server.url, "hi", rank=2)
         assert status == 400 and "X-data-parallel-rank" in body["error"]["message"]
 
