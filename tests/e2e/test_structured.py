@@ -1,6 +1,7 @@
 """Structured outputs end to end through `tandem serve` on the random-weight tiny model, with the
-openai SDK: every kind of constraint on both APIs, stream == non-stream, the offset contract
-with echo, bad constraints as 400s, and a mixed burst that leaves the engine empty."""
+openai SDK, plain and with speculative decoding: every kind of constraint on both APIs,
+stream == non-stream, the offset contract with echo, bad constraints as 400s, and a mixed
+burst that leaves the engine empty."""
 
 from __future__ import annotations
 
@@ -42,9 +43,15 @@ KINDS: dict[str, tuple[dict[str, Any], Any]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
-    srv = Server(tiny_llama, tmp_path_factory.mktemp("structured"), "--max-model-len", "512")
+# twice: plain, and verifying drafts under the grammars (speculative decoding, the model as its
+# own draft, so most drafts are accepted and each step brings a request several tokens)
+@pytest.fixture(scope="module", params=["plain", "speculative"])
+def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, request):
+    flags = [] if request.param == "plain" else [
+        "--speculative-config", json.dumps({"model": str(tiny_llama),
+                                            "num_speculative_tokens": 3})]
+    srv = Server(tiny_llama, tmp_path_factory.mktemp("structured"), "--max-model-len", "512",
+                 *flags)
     yield srv.wait_healthy()
     assert srv.stop() == 0
 
@@ -180,3 +187,21 @@ def test_mixed_burst_leaves_nothing_behind(server, client):
     assert re.search(r"^vllm:num_requests_waiting\S* 0(\.0)?$", metrics, re.M)
     usage = re.search(r"^vllm:kv_cache_usage_perc\S* (\S+)$", metrics, re.M)
     assert usage is not None and float(usage.group(1)) == 0.0
+
+
+def test_the_speculative_server_accepted_drafts_under_its_grammars(server, request):
+    """(Runs last in its module.) The speculative server's constrained requests verified
+    drafts, and accepted some: the draft model knows nothing of the grammars, so its greedy
+    tokens are mostly ones the grammar refuses (the constrained tokens of this random model are
+    seldom its unconstrained argmax), and those are never accepted."""
+    if request.node.callspec.params["server"] != "speculative":
+        pytest.skip("only the speculative server speculates")
+    with urllib.request.urlopen(f"{server.url}/metrics") as response:
+        text = response.read().decode()
+    totals = {name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith(name + "{"))
+              for name in ("vllm:spec_decode_num_draft_tokens_total",
+                           "vllm:spec_decode_num_accepted_tokens_total")}
+    drafted = totals["vllm:spec_decode_num_draft_tokens_total"]
+    assert drafted > 100
+    assert totals["vllm:spec_decode_num_accepted_tokens_total"] > 0, totals
