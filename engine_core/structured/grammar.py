@@ -218,6 +218,10 @@ class RequestGrammar:
             forks.append(self._fork(walker.fork()))
         return forks, len(forks) - 1
 
+    def walker(self) -> RequestGrammar:
+        """A copy to advance past tokens that are not the request's (a draft model's drafts)."""
+        return self._fork(self.matcher.fork())
+
     def _fork(self, matcher: xgrammar.GrammarMatcher) -> RequestGrammar:
         fork = RequestGrammar(self._compiled)
         fork._matcher = matcher

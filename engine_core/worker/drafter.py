@@ -3,7 +3,10 @@
 The draft is a small model with the target's tokenizer, loaded as the target is (loader.py, its
 own model file, on the platform's ops and attention), with a paged KV cache of its own: the
 same blocks as the target's (same ids, same block table, same slots), its own K and V in them.
-It proposes greedily (q is one-hot: engine_core/sample/speculative.py stays exact).
+It proposes greedily (q is one-hot: engine_core/sample/speculative.py stays exact); a
+constrained request's drafts are its argmax under its grammar's mask, walked on a copy of its
+matcher (the request's own matcher is the sampler's alone), so they are drafts the grammar
+allows.
 
 Proposals are made once a step is scheduled, for the requests it verifies: the scheduler has
 then allocated the slots of the request's last token and its k drafts, which are where the
@@ -31,6 +34,8 @@ import torch
 from transformers import AutoConfig
 
 from engine_core.config import EngineConfig
+from engine_core.structured.grammar import RequestGrammar
+from engine_core.structured.masks import TokenMasker, apply_bitmask
 from engine_core.worker.loader import load
 from engine_core.worker.platform import Platform
 
@@ -61,6 +66,7 @@ class Drafter:
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         self.layers = int(text.num_hidden_layers)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._masker: TokenMasker | None = None  # made at the first constrained request
         log.info("draft model %s (%s), %d tokens a proposal", spec.model, loaded.source, self.k)
 
     def block_bytes(self, block_size: int) -> int:
@@ -86,11 +92,16 @@ class Drafter:
                               for r, s in zip(requests, starts.tolist())])
         drafts: list[list[int]] = [[] for _ in requests]
         active = list(range(len(requests)))
+        # a constrained request's drafts follow its grammar, on a copy of its matcher
+        walkers = {i: r.grammar.walker() for i, r in enumerate(requests) if r.masked}
         for j in range(max(counts)):
             hidden = forward(starts, num_new, ids, [requests[i] for i in active], self.kv_caches)
-            tokens = self._greedy(hidden)
+            tokens = self._greedy(hidden, [walkers.get(i) for i in active])
             for i, token in zip(active, tokens.tolist()):
                 drafts[i].append(int(token))
+                walker = walkers.get(i)
+                if walker is not None and (not walker.accept(int(token)) or walker.terminated):
+                    del walkers[i]  # its later drafts are never accepted (Drafts.limits)
             active_next = [i for i in active if len(drafts[i]) < counts[i]]
             keep = [a for a, i in enumerate(active) if i in set(active_next)]
             starts = (starts[keep] + num_new[keep]).astype(np.int64)
@@ -103,9 +114,20 @@ class Drafter:
             r.draft_computed = p + k
         return drafts
 
-    def _greedy(self, hidden: torch.Tensor) -> np.ndarray:
+    def _greedy(self, hidden: torch.Tensor,
+                grammars: list[RequestGrammar | None]) -> np.ndarray:
+        """Each row's argmax, under its grammar's mask where it has one."""
         logits = hidden.float() @ self.head.weight.float().t()
         if self.head.bias is not None:
             logits += self.head.bias.float()
+        rows = [a for a, g in enumerate(grammars) if g is not None]
+        if rows:
+            self._masker = self._masker or TokenMasker()
+            masks = self._masker.fill(len(rows), logits.shape[1], range(len(rows)),
+                                      [g for g in grammars if g is not None])
+            at = torch.tensor(rows, device=logits.device)
+            masked = logits[at]
+            apply_bitmask(masked, masks)
+            logits[at] = masked
         tokens: np.ndarray = logits.argmax(dim=-1).cpu().numpy()
         return tokens

@@ -191,9 +191,9 @@ def test_mixed_burst_leaves_nothing_behind(server, client):
 
 def test_the_speculative_server_accepted_drafts_under_its_grammars(server, request):
     """(Runs last in its module.) The speculative server's constrained requests verified
-    drafts, and accepted some: the draft model knows nothing of the grammars, so its greedy
-    tokens are mostly ones the grammar refuses (the constrained tokens of this random model are
-    seldom its unconstrained argmax), and those are never accepted."""
+    drafts and accepted many: the draft model drafts under each request's grammar (its argmax
+    under the mask), so its drafts are the target's greedy tokens; sampled requests accept
+    fewer. (Drafting blind to the grammar, 12 of 3244 draft tokens were accepted.)"""
     if request.node.callspec.params["server"] != "speculative":
         pytest.skip("only the speculative server speculates")
     with urllib.request.urlopen(f"{server.url}/metrics") as response:
@@ -204,4 +204,4 @@ def test_the_speculative_server_accepted_drafts_under_its_grammars(server, reque
                            "vllm:spec_decode_num_accepted_tokens_total")}
     drafted = totals["vllm:spec_decode_num_draft_tokens_total"]
     assert drafted > 100
-    assert totals["vllm:spec_decode_num_accepted_tokens_total"] > 0, totals
+    assert totals["vllm:spec_decode_num_accepted_tokens_total"] > drafted / 4, totals

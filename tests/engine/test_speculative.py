@@ -428,3 +428,24 @@ def test_a_model_that_copies_its_prompt_accepts_nearly_every_ngram_draft(tiny_ll
     stats = spec.stats()
     assert stats.spec_accepted_tokens >= 0.9 * stats.spec_draft_tokens > 0
     assert stats.steps <= 14  # a prefill, then 5 tokens a step
+
+
+def test_a_draft_model_drafts_under_the_grammar(tiny_llama, tokenizer):
+    """The target as its own draft, on greedy constrained requests: its drafts are its argmax
+    under each request's grammar, so every one is accepted, and the outputs are the plain
+    engine's."""
+    cases = constrained_cases()
+    prompt = list(tokenizer("Answer in the requested format:").input_ids)
+    plain = engine(tiny_llama, speculate=False)
+    submit_constrained(plain, prompt, cases)
+    want = run(plain)
+    core = EngineCore(EngineConfig(model=str(tiny_llama), num_kv_blocks=256, block_size=8,
+                                   speculative=draft_config(tiny_llama, k=3)))
+    submit_constrained(core, prompt, cases)
+    got = run(core)
+    assert_same(got, want)
+    stats = core.stats()
+    assert stats.spec_draft_tokens > 50
+    # (a draft that ends the grammar, its EOS, is not accepted as a draft: Drafts.limits)
+    assert stats.spec_accepted_tokens >= stats.spec_draft_tokens - 3 * len(cases)
+    assert_drained(core)
