@@ -66,6 +66,14 @@ class Sizes:
     structured_new_tokens: int = 96  # each constrained request's max_tokens
     mixed_steps: int = 3  # profile: steps that take a new prompt's prefill beside the decodes
     max_model_len: int | None = None  # the in-process engines' (None: the model's)
+    # the spec stage (check_spec.py): the copying model's cycle, batch 1's requests (one after
+    # another) and their output tokens, then a batch of random prompts at once
+    spec_cycle: int = 48
+    spec_prompts: int = 4
+    spec_output_len: int = 256
+    spec_batch: int = 64
+    spec_batch_input_len: int = 512
+    spec_batch_output_len: int = 128
     # the kernels stage's (decodes, context) cases
     # the last: a context that fills neither a block (16) nor a tile (64), for the masking
     kernel_cases: tuple[tuple[int, int], ...] = ((64, 1024), (1, 32768), (3, 1061))

@@ -10,7 +10,9 @@ device (fp32 exact, bf16 by vLLM's top-5 rule), structured outputs under the dev
 masks (bf16), the engine in-process (with CUDA graphs, eager, and overlapped) against a bare
 static-cache forward loop replayed from a CUDA graph at batch 64 (tests/device/graph_loop.py,
 checked to replay its eager loop), a profiler table of engine decode steps and the host time
-of mixed steps, and `tandem bench serve` at c256, c64 and c1 against one real `tandem serve`.
+of mixed steps, `tandem bench serve` at c256, c64 and c1 against one real `tandem serve`, and
+speculative decoding (n-gram) against the plain engine on a model that copies its prompt
+(tests/device/check_spec.py).
 Each speed figure stands beside its roofline (tests/device/roofline.py) and issue 39's targets
 (tests/device/targets.py). Without a GPU (or with --dry-run) the same stages run on the CPU at
 a tiny size, through the GPU's code paths where the CPU can run them (the device sampler, the
@@ -45,7 +47,14 @@ from typing import Any
 import torch
 
 from engine_core.worker.default_model import LLAMA32_1B_SHAPE, TinySpec
-from tests.device import check_kernels, check_parity, check_serve, check_speed, check_structured
+from tests.device import (
+    check_kernels,
+    check_parity,
+    check_serve,
+    check_spec,
+    check_speed,
+    check_structured,
+)
 from tests.device.context import Context, ServeRun, Sizes
 from tests.device.report import environment, write_report
 
@@ -84,7 +93,8 @@ DRY_SIZES = Sizes(
                  targets=run.targets)
         for run, (c, n, i, o) in zip(SERVE_RUNS, ((8, 16, 32, 4), (4, 8, 32, 4), (1, 2, 16, 8)))),
     serve_kv_cache_bytes=64 << 20, time_limit_s=300.0, threads=1, structured_new_tokens=32,
-    max_model_len=512, mixed_steps=2)
+    max_model_len=512, mixed_steps=2, spec_cycle=16, spec_prompts=1, spec_output_len=24,
+    spec_batch=4, spec_batch_input_len=16, spec_batch_output_len=8)
 
 STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {
     "build": check_parity.build,
@@ -95,6 +105,7 @@ STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {
     "throughput": check_speed.throughput,
     "profile": check_speed.profile,
     "serve": check_serve.serve,
+    "spec": check_spec.spec,
 }
 
 

@@ -208,11 +208,20 @@ def _serve(r: dict[str, Any]) -> str:
     return f"server ready in {r['ready_s']} s; " + "; ".join(parts) + " (bench.txt)"
 
 
+def _spec(r: dict[str, Any]) -> str:
+    c1, cb = r["batch1_ms_per_token"], r["batch_tok_s"]
+    return (f"copying model follows its chain {r['chain_tokens_followed']}; batch 1: "
+            f"{c1['plain']:.2f} → {c1['ngram']:.2f} ms a token "
+            f"({c1['ngram'] / c1['plain']:.2f}×), acceptance length "
+            f"{r['acceptance_length']}; batch: {cb['plain']:.0f} → {cb['ngram']:.0f} tok/s "
+            f"({cb['ngram'] / cb['plain']:.2f}×)")
+
+
 _FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
     "build": _build, "kernels": _kernels, "parity_fp32": _fp32, "parity_bf16": _bf16,
     "structured": _structured,
     "throughput": _throughput,
-    "profile": _profile, "serve": _serve,
+    "profile": _profile, "serve": _serve, "spec": _spec,
 }
 
 

@@ -53,6 +53,10 @@ def test_every_stage_runs_and_parity_holds(dry_run: tuple[int, Path, str]) -> No
     # the GPU's code paths rehearsed: graphs (their stand-in) replayed, but not when eager
     assert throughput["engine_async"]["graph_replays"] > 0
     assert throughput["engine_eager"]["graph_replays"] == 0
+    spec = stages["spec"]  # the copying model copies, and n-gram drafts were accepted
+    assert int(spec["chain_tokens_followed"].split("/")[0]) >= 16
+    assert 0 < spec["spec_accepted_tokens"] <= spec["spec_draft_tokens"]
+    assert len(spec["targets"]) == 2 and spec["batch_tok_s"]["ngram"] > 0
 
 
 def test_the_graph_loop_replays_the_eager_loop(dry_run: tuple[int, Path, str]) -> None:
