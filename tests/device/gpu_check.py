@@ -94,7 +94,7 @@ DRY_SIZES = Sizes(
         for run, (c, n, i, o) in zip(SERVE_RUNS, ((8, 16, 32, 4), (4, 8, 32, 4), (1, 2, 16, 8)))),
     serve_kv_cache_bytes=64 << 20, time_limit_s=300.0, threads=1, structured_new_tokens=32,
     max_model_len=512, mixed_steps=2, spec_cycle=16, spec_prompts=1, spec_output_len=24,
-    spec_batch=4, spec_batch_input_len=16, spec_batch_output_len=8)
+    spec_batch=8, spec_batch_input_len=16, spec_batch_output_len=8)  # (above the CPU's bound)
 
 STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {
     "build": check_parity.build,
