@@ -65,9 +65,11 @@ class LMHead:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  softcap: float | None = None, *, kernels: native_kernels.Kernels | None = None,
                  workers: int = 1, chunk: int | None = None, tp: TensorParallel | None = None,
-                 vocab: int | None = None) -> None:
+                 vocab: int | None = None,
+                 announce: Callable[[torch.Tensor], None] | None = None) -> None:
         """weight: [vocab, hidden] as in nn.Linear (with `tp`: this rank's rows of a `vocab`
-        wide head).
+        wide head; `announce(hidden)`, on rank 0, tells the other ranks the rows it scans,
+        so that they join the gather with `gather_logits`).
 
         `kernels` (the platform's compiled CPU kernels, `Platform.head_kernels`) run the head
         natively; without them, or with a bias or a softcap (which the kernels do not fuse),
@@ -76,6 +78,7 @@ class LMHead:
         self.vocab, self.hidden = weight.shape
         self.device = weight.device
         self._ops: _NativeOps | _TorchOps | _GatheredOps
+        self.announce = announce
         if tp is not None:
             assert vocab is not None and bias is None and not softcap
             self.vocab = vocab
@@ -106,6 +109,8 @@ class LMHead:
         rows = hidden.shape[0]
         hidden = hidden.to(self.device, self._ops.input_dtype).contiguous()
         if isinstance(self._ops, _GatheredOps):
+            if self.announce is not None:
+                self.announce(hidden)
             logits = self._ops.gather(hidden)
         else:
             logits = torch.empty(rows, self._ops.width, dtype=torch.float32, device=self.device)
@@ -117,6 +122,17 @@ class LMHead:
         fill = self._ops.fill
         self.pool.map(lambda i: fill(hidden, logits, blocks, *self.bounds[i]), len(self.bounds))
         return self._combine(logits[:, :self.vocab], blocks, top_k, sample_rows, temps)
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The dtype the head reads its hidden rows in."""
+        return self._ops.input_dtype
+
+    def gather_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A tensor-parallel rank's part of rank 0's scan of `hidden`: every rank's logits,
+        gathered."""
+        assert isinstance(self._ops, _GatheredOps)
+        return self._ops.gather(hidden.to(self.device, self._ops.input_dtype).contiguous())
 
     def count_above(self, scan: Scan, rows: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
         """How many logits of each of `rows` exceed its threshold (rank - 1 of a token)."""
