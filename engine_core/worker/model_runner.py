@@ -90,7 +90,8 @@ class ModelRunner:
         self.hf_config = AutoConfig.from_pretrained(config.model,
                                                     trust_remote_code=config.trust_remote_code)
         text = _text_config(self.hf_config)
-        self.workers = (Workers(config, platform.device, split_problem(self.hf_config, config))
+        self.workers = (Workers(config, platform.device,
+                                split_problem(self.hf_config, config), ModelRunner)
                         if rank is None and config.tensor_parallel_size > 1 else None)
         self.rank = rank if self.workers is None else self.workers.rank
         tp = None if self.rank is None else self.rank.tp

@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -124,9 +125,10 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 class Workers:
     """Rank 0's view of the group: the worker processes, watched, and its own `Rank`."""
 
-    def __init__(self, config: EngineConfig, device: torch.device, problem: str | None
-                 ) -> None:
-        """`problem`: why the model cannot be split so (start-up error), or None."""
+    def __init__(self, config: EngineConfig, device: torch.device, problem: str | None,
+                 runner: Any) -> None:
+        """`problem`: why the model cannot be split so (start-up error), or None; `runner`:
+        the class each worker runs (the `ModelRunner`, which imports this module)."""
         size = config.tensor_parallel_size
         if problem is not None:
             raise ValueError(problem)
@@ -136,7 +138,7 @@ class Workers:
                              "(CUDA_VISIBLE_DEVICES)")
         port = _free_port()
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=worker_main, args=(config, r, size, port),
+        self.procs = [ctx.Process(target=worker_main, args=(runner, config, r, size, port),
                                   name=f"tandem-tp-{r}", daemon=True) for r in range(1, size)]
         for p in self.procs:
             p.start()
@@ -173,10 +175,11 @@ class Workers:
             dist.destroy_process_group()
 
 
-def worker_main(config: EngineConfig, rank: int, size: int, port: int) -> None:
-    """A worker process: rank `rank`'s runner, serving rank 0's broadcasts until told to stop
-    (or until rank 0 is gone, which fails its next collective)."""
-    from engine_core.worker.model_runner import ModelRunner
+def worker_main(runner: Callable[..., Any], config: EngineConfig, rank: int,
+                size: int, port: int) -> None:
+    """A worker process: rank `rank` joins the group, builds its runner (`runner`, the
+    `ModelRunner` class) and serves rank 0's broadcasts until told to stop (or until rank 0 is
+    gone, which fails its next collective)."""
     from engine_core.worker.platform import Platform
 
     logging.basicConfig(level=logging.INFO,
@@ -186,8 +189,7 @@ def worker_main(config: EngineConfig, rank: int, size: int, port: int) -> None:
     platform = replace(platform, device=rank_device(platform.device, rank))
     platform.apply()
     joined = join_group(rank, size, port, platform.device)
-    runner = ModelRunner(config, platform, joined)
     try:
-        runner.serve_rank_zero()
+        runner(config, platform, joined).serve_rank_zero()
     finally:
         dist.destroy_process_group()
