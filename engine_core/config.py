@@ -34,6 +34,7 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode graphs' batch sizes; None: ladder
     async_scheduling: bool | None = None  # overlapped steps; None: the platform's default
     speculative: SpeculativeConfig | None = None  # --speculative-config
+    tensor_parallel_size: int = 1  # ranks the model is split over (worker/tensor_parallel.py)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
@@ -49,5 +50,7 @@ class EngineConfig:
         if self.model_impl not in ("auto", "tandem", "transformers"):
             raise ValueError(f"--model-impl {self.model_impl!r}: choose auto, tandem or "
                              "transformers")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be at least 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: choose auto, cpu or cuda")

@@ -169,7 +169,8 @@ class Launcher:
         self.tmp = tempfile.TemporaryDirectory(prefix="tandem-")
         base = args.engine_address or f"ipc://{self.tmp.name}/engine.sock"
         try:
-            self.places: list[EnginePlace] = plan(args.data_parallel_size, base, args.device)
+            self.places: list[EnginePlace] = plan(args.data_parallel_size, base, args.device,
+                                                 tensor_parallel=args.tensor_parallel_size)
         except PlacementError:
             self.tmp.cleanup()
             raise

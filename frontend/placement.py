@@ -4,8 +4,9 @@ Settled once, by the launcher, before any engine starts (the launcher imports no
 GPUs are counted from `CUDA_VISIBLE_DEVICES` or the NVIDIA driver's own listing):
 - rank K listens on the engine address with its port plus K (tcp://) or a `_dpK` suffix
   (ipc://), the rule vLLM applies to its KV-event ports;
-- on CUDA, rank K sees one GPU, the K-th visible one (`CUDA_VISIBLE_DEVICES`); asking for more
-  engines than GPUs is a start-up error;
+- on CUDA, rank K sees one GPU, the K-th visible one (`CUDA_VISIBLE_DEVICES`), or with
+  --tensor-parallel-size T the K-th run of T adjacent ones; asking for more GPUs than are
+  visible is a start-up error that names D x T;
 - the CPU cores this process may use are split into N contiguous shares, one per engine (each
   engine then sizes its torch threads to its share); with fewer cores than engines, engines
   share cores round the list. Frontends are not pinned.
@@ -63,15 +64,23 @@ def split_cpus(cpus: Sequence[int], n: int) -> list[tuple[int, ...]]:
 
 
 def plan(size: int, base_address: str, device: str, env: Mapping[str, str] | None = None,
-         cpus: Sequence[int] | None = None, driver: Path = NVIDIA_GPUS) -> list[EnginePlace]:
-    """Every rank's place; one engine is left as it is (no pinning, its GPUs untouched)."""
+         cpus: Sequence[int] | None = None, driver: Path = NVIDIA_GPUS,
+         tensor_parallel: int = 1) -> list[EnginePlace]:
+    """Every rank's place; one engine is left as it is (no pinning, its GPUs untouched). With
+    --tensor-parallel-size T each engine sees T adjacent GPUs, its workers' (D x T in all)."""
     if size < 1:
         raise PlacementError(f"--data-parallel-size {size}: at least 1")
-    if size == 1:
-        return [EnginePlace(0, base_address, (), None)]
     env = os.environ if env is None else env
     gpus = [] if device == "cpu" else visible_gpus(env, driver)
-    if device == "cuda" and len(gpus) < size:
+    need = size * tensor_parallel
+    if tensor_parallel > 1 and gpus and len(gpus) < need:
+        raise PlacementError(f"--data-parallel-size {size} x --tensor-parallel-size "
+                             f"{tensor_parallel} needs {need} GPUs; {len(gpus)} visible "
+                             f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+                             "; pass --device cpu to serve on the CPU instead")
+    if size == 1:
+        return [EnginePlace(0, base_address, (), None)]
+    if device == "cuda" and len(gpus) < need:
         raise PlacementError(f"--data-parallel-size {size} on CUDA needs {size} GPUs, one per "
                              f"engine; {len(gpus)} visible (CUDA_VISIBLE_DEVICES="
                              f"{env.get('CUDA_VISIBLE_DEVICES', 'unset')})")
@@ -80,5 +89,7 @@ def plan(size: int, base_address: str, device: str, env: Mapping[str, str] | Non
                              "engine per GPU; pass --device cpu to serve on the CPU instead")
     cores = cpus if cpus is not None else sorted(os.sched_getaffinity(0))
     shares = split_cpus(cores, size)
+    t = tensor_parallel
     return [EnginePlace(k, engine_address(base_address, k), shares[k],
-                        gpus[k] if gpus else None) for k in range(size)]
+                        ",".join(gpus[k * t:(k + 1) * t]) if gpus else None)
+            for k in range(size)]

@@ -75,7 +75,9 @@ _ENGINE_FLAGS = (
                 "for the fields a request leaves out, as vLLM does); 'vllm', OpenAI's defaults; "
                 "or a folder holding a generation_config.json"}),
     ("--tensor-parallel-size", {
-        "type": int, "default": 1, "help": "GPUs per model: only 1 (Tandem serves on one GPU)"}),
+        "type": int, "default": 1,
+        "help": "ranks one model is split over (Megatron-style, on torch.distributed: one GPU "
+                "each on CUDA, gloo processes on the CPU); the engine is rank 0"}),
     ("--kv-events-config", {
         "default": None,
         "help": "publish the prefix cache's changes as vLLM's KV-cache events, for external "
@@ -134,9 +136,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def check_engine_args(args: argparse.Namespace) -> str | None:
     """What is wrong with engine flags that parse but cannot be served, or None."""
-    if args.tensor_parallel_size != 1:
-        return (f"--tensor-parallel-size {args.tensor_parallel_size}: Tandem serves a model on "
-                "one GPU; use 1")
+    if args.tensor_parallel_size < 1:
+        return f"--tensor-parallel-size {args.tensor_parallel_size}: at least 1"
+    if args.tensor_parallel_size > 1 and args.speculative_config is not None:
+        return "--speculative-config: not yet with --tensor-parallel-size above 1"
     if args.max_logprobs is not None and not 0 <= args.max_logprobs <= MAX_LOGPROBS:
         return f"--max-logprobs {args.max_logprobs}: between 0 and {MAX_LOGPROBS}"
     utilization = args.gpu_memory_utilization

@@ -16,6 +16,10 @@ ops and the ctypes kernels release the GIL): a core that another process (a fron
 on just takes fewer chunks, where OpenMP's static split would stall the whole op until that
 core came back.
 
+Under tensor parallelism (`tp`) each rank holds its rows of the vocabulary: the ranks' logits
+are gathered into the whole vocabulary's first (one all-gather a scan), and the reductions run
+on them with torch ops, so that what the samplers read is as at one rank.
+
 A scan keeps the full logits (`Scan.logits`) for what needs them afterwards: the chosen
 tokens' logits, their ranks (`count_above`) and rows with penalties or truncation.
 """
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 
 import engine_core.layers.native as native_kernels
 from engine_core.layers.chunk_pool import ChunkPool
+from engine_core.layers.parallel import TensorParallel
 
 BLOCK = 256  # inverse-CDF block; chunk boundaries fall on block boundaries
 HeadBackend = Literal["native", "torch"]
@@ -59,8 +64,12 @@ class _Blocks(NamedTuple):
 class LMHead:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  softcap: float | None = None, *, kernels: native_kernels.Kernels | None = None,
-                 workers: int = 1, chunk: int | None = None) -> None:
-        """weight: [vocab, hidden] as in nn.Linear.
+                 workers: int = 1, chunk: int | None = None, tp: TensorParallel | None = None,
+                 vocab: int | None = None,
+                 announce: Callable[[torch.Tensor], None] | None = None) -> None:
+        """weight: [vocab, hidden] as in nn.Linear (with `tp`: this rank's rows of a `vocab`
+        wide head; `announce(hidden)`, on rank 0, tells the other ranks the rows it scans,
+        so that they join the gather with `gather_logits`).
 
         `kernels` (the platform's compiled CPU kernels, `Platform.head_kernels`) run the head
         natively; without them, or with a bias or a softcap (which the kernels do not fuse),
@@ -68,8 +77,13 @@ class LMHead:
         the whole vocabulary in one task)."""
         self.vocab, self.hidden = weight.shape
         self.device = weight.device
-        self._ops: _NativeOps | _TorchOps
-        if kernels is not None and bias is None and not softcap:
+        self._ops: _NativeOps | _TorchOps | _GatheredOps
+        self.announce = announce
+        if tp is not None:
+            assert vocab is not None and bias is None and not softcap
+            self.vocab = vocab
+            self._ops = _GatheredOps(weight, tp, vocab)
+        elif kernels is not None and bias is None and not softcap:
             self._ops = _NativeOps(weight, kernels)
         else:
             self._ops = _TorchOps(weight, bias, softcap)
@@ -93,16 +107,32 @@ class LMHead:
         whose maxima lead: any of a row's k largest logits lies in one of its k highest blocks.
         """
         rows = hidden.shape[0]
-        logits = torch.empty(rows, self._ops.width, dtype=torch.float32, device=self.device)
+        hidden = hidden.to(self.device, self._ops.input_dtype).contiguous()
+        if isinstance(self._ops, _GatheredOps):
+            if self.announce is not None:
+                self.announce(hidden)
+            logits = self._ops.gather(hidden)
+        else:
+            logits = torch.empty(rows, self._ops.width, dtype=torch.float32, device=self.device)
         temps = torch.ones(0, 1)
         if sample_rows is not None:
             assert temperatures is not None
             temps = temperatures.to(torch.float32)[:, None]
         blocks = self._blocks(rows, lse, sample_rows, temps)
         fill = self._ops.fill
-        hidden = hidden.to(self.device, self._ops.input_dtype).contiguous()
         self.pool.map(lambda i: fill(hidden, logits, blocks, *self.bounds[i]), len(self.bounds))
         return self._combine(logits[:, :self.vocab], blocks, top_k, sample_rows, temps)
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The dtype the head reads its hidden rows in."""
+        return self._ops.input_dtype
+
+    def gather_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A tensor-parallel rank's part of rank 0's scan of `hidden`: every rank's logits,
+        gathered."""
+        assert isinstance(self._ops, _GatheredOps)
+        return self._ops.gather(hidden.to(self.device, self._ops.input_dtype).contiguous())
 
     def count_above(self, scan: Scan, rows: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
         """How many logits of each of `rows` exceed its threshold (rank - 1 of a token)."""
@@ -212,18 +242,7 @@ class _TorchOps:
             x.copy_(F.linear(hidden, self.weight[a:b], bias))
         if self.softcap:
             x.div_(self.softcap).tanh_().mul_(self.softcap)
-        cols = slice(a // BLOCK, -(-b // BLOCK))
-        block_max = blocks.max[:, cols]
-        block_max.copy_(_per_block(x, torch.amax))
-        for scale, sums in ((blocks.scale_a, blocks.sum_a), (blocks.scale_b, blocks.sum_b)):
-            if scale is None or sums is None:
-                continue
-            picked = torch.nonzero(scale)[:, 0]
-            if len(picked) == len(scale):
-                sums[:, cols] = _block_sum_exp(x, block_max, scale[:, None])
-            else:
-                sums[picked, cols] = _block_sum_exp(x[picked], block_max[picked],
-                                                    scale[picked, None])
+        _reduce_blocks(x, blocks, a, b)
 
     def count_above(self, logits: torch.Tensor, rows: torch.Tensor, thr: torch.Tensor,
                     bounds: list[tuple[int, int]], pool: ChunkPool) -> torch.Tensor:
@@ -244,6 +263,44 @@ class _TorchOps:
 
         counts = torch.stack(pool.map(one, len(bounds)), 1).sum(1)
         return (counts[on_device] if every else counts).cpu()
+
+
+class _GatheredOps(_TorchOps):
+    """A rank's rows of a vocabulary-parallel head: its logits computed with torch ops and
+    gathered with the other ranks' into the whole vocabulary's (`gather`, once a scan); the
+    chunks then only reduce them."""
+
+    def __init__(self, weight: torch.Tensor, tp: TensorParallel, vocab: int) -> None:
+        super().__init__(weight, None, None)
+        self.tp, self.width = tp, vocab
+
+    def gather(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, vocab] float32: every rank's logits of `hidden` (the same rows on every rank)."""
+        if self.weight_t is not None:
+            local = torch.mm(hidden, self.weight_t)
+        else:
+            local = F.linear(hidden, self.weight).float()
+        return self.tp.gather_columns(local, self.width)
+
+    def fill(self, hidden: torch.Tensor, logits: torch.Tensor, blocks: _Blocks,
+             a: int, b: int) -> None:
+        _reduce_blocks(logits[:, a:b], blocks, a, b)
+
+
+def _reduce_blocks(x: torch.Tensor, blocks: _Blocks, a: int, b: int) -> None:
+    """Columns [a, b) of the logits (x) into `blocks`: each block's max and sums."""
+    cols = slice(a // BLOCK, -(-b // BLOCK))
+    block_max = blocks.max[:, cols]
+    block_max.copy_(_per_block(x, torch.amax))
+    for scale, sums in ((blocks.scale_a, blocks.sum_a), (blocks.scale_b, blocks.sum_b)):
+        if scale is None or sums is None:
+            continue
+        picked = torch.nonzero(scale)[:, 0]
+        if len(picked) == len(scale):
+            sums[:, cols] = _block_sum_exp(x, block_max, scale[:, None])
+        else:
+            sums[picked, cols] = _block_sum_exp(x[picked], block_max[picked],
+                                                scale[picked, None])
 
 
 def gather_blocks(logits: torch.Tensor, blocks: torch.Tensor,

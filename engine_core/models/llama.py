@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_core.layers.ops import HeadShape, QKNorm, split_qkv
+from engine_core.layers.parallel import HeadSplit, TensorParallel, split_error
 from engine_core.layers.rotary import RotaryTable, rotary_table
 from engine_core.layers.rotary import supported as rope_supported
-from engine_core.models.parts import ModelKit, Part, RMSNorm, linear_into
+from engine_core.models.parts import ModelKit, Part, RMSNorm, Slice, linear_into
 from engine_core.models.registry import register
 
 
@@ -41,10 +42,13 @@ class LlamaAttention(nn.Module):
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.layer, self.kit = layer, kit
-        self.shape = HeadShape(heads, kv_heads, dim)
+        # this rank's heads (all of them without tensor parallelism)
+        self.split = (HeadSplit(heads, 0, kv_heads, 0) if kit.tp is None
+                      else kit.tp.heads(heads, kv_heads))
+        self.shape = HeadShape(self.split.heads, self.split.kv_heads, dim)
         self.scale = dim ** -0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.shape.qkv_width, bias=qkv_bias)
-        self.o_proj = nn.Linear(heads * dim, config.hidden_size, bias=o_bias)
+        self.o_proj = nn.Linear(self.shape.heads * dim, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(dim, config.rms_norm_eps) if qk_norm else None
 
@@ -72,13 +76,13 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.kit = kit
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
-                                      bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        width = config.intermediate_size // (1 if kit.tp is None else kit.tp.size)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=bias)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.down_proj(self.kit.ops.silu_mul(self.gate_up_proj(h)))
-        return out
+        return out if self.kit.tp is None else self.kit.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -106,7 +110,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, kit: ModelKit, layers: list[LlamaDecoderLayer]) -> None:
         super().__init__()
         self.config, self.kit = config, kit
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp: TensorParallel | None = kit.tp
+        vocab = config.vocab_size if self.tp is None else self.tp.vocab_rows(config.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab, config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -135,8 +141,12 @@ class LlamaModel(nn.Module):
         """The embedding (the residual stream, into `residual` when given) and the first
         layer up to its QKV product (into `qkv` when given)."""
         weight = self.embed_tokens.weight
-        stream = (F.embedding(ids, weight) if residual is None
-                  else torch.index_select(weight, 0, ids, out=residual))
+        if self.tp is not None:  # each rank its rows of the table, summed
+            stream = self.tp.embed(ids, weight)
+            stream = stream if residual is None else residual.copy_(stream)
+        else:
+            stream = (F.embedding(ids, weight) if residual is None
+                      else torch.index_select(weight, 0, ids, out=residual))
         first = self.layer(0)
         h = self.kit.ops.rms_norm(stream, first.input_layernorm.weight,
                                   first.input_layernorm.eps)
@@ -162,7 +172,10 @@ class LlamaModel(nn.Module):
                 next_norm: RMSNorm) -> torch.Tensor:
         layer, ops = self.layer(i), self.kit.ops
         post = layer.post_attention_layernorm
-        h = ops.add_rms_norm(layer.self_attn.o_proj(attended), residual, post.weight, post.eps)
+        o = layer.self_attn.o_proj(attended)
+        if self.tp is not None:  # each rank's heads' share of the output product, summed
+            self.tp.all_reduce(o)
+        h = ops.add_rms_norm(o, residual, post.weight, post.eps)
         return ops.add_rms_norm(layer.mlp(h), residual, next_norm.weight, next_norm.eps)
 
 
@@ -183,8 +196,10 @@ class LlamaForCausalLM(nn.Module):
         self.shape = layers[0].self_attn.shape
         self.intermediate = int(config.intermediate_size)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = (None if self.tied else
-                        nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.tp = kit.tp
+        self.vocab = int(config.vocab_size)
+        vocab = self.vocab if self.tp is None else self.tp.vocab_rows(self.vocab)
+        self.lm_head = None if self.tied else nn.Linear(config.hidden_size, vocab, bias=False)
 
     @staticmethod
     def biases(config: Any) -> tuple[bool, bool]:
@@ -206,6 +221,13 @@ class LlamaForCausalLM(nn.Module):
             return "sliding-window attention"
         return None
 
+    @classmethod
+    def tp_error(cls, config: Any, size: int) -> str | None:
+        """Why this model cannot be split over `size` tensor-parallel ranks, or None."""
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return split_error(heads, kv_heads, int(config.intermediate_size), size)
+
     @property
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -214,7 +236,33 @@ class LlamaForCausalLM(nn.Module):
         """The checkpoint's projections that load into a merged product, by name."""
         qkv = (self.shape.heads * self.shape.head_dim,) + (self.shape.kv_heads
                                                             * self.shape.head_dim,) * 2
-        gate_up = (self.intermediate, self.intermediate)
+        width = self.intermediate // (1 if self.tp is None else self.tp.size)
+        gate_up = (width, width)
         return {"q_proj": Part("qkv_proj", 0, qkv), "k_proj": Part("qkv_proj", 1, qkv),
                 "v_proj": Part("qkv_proj", 2, qkv), "gate_proj": Part("gate_up_proj", 0, gate_up),
                 "up_proj": Part("gate_up_proj", 1, gate_up)}
+
+    def tp_slice(self, name: str, part: Part | None) -> Slice | None:
+        """This rank's part of the checkpoint tensor that loads into parameter `name` (`part`
+        of it, for a merged one); None: the whole tensor (no tensor parallelism, or a norm)."""
+        tp = self.tp
+        if tp is None:
+            return None
+        split, dim = self.shape, self.shape.head_dim
+        first = self.model.layer(0).self_attn.split
+        *_, kind, what = name.split(".")
+        if kind == "qkv_proj" and part is not None:
+            if part.shard == 0:
+                return Slice(0, first.first_head * dim, split.heads * dim)
+            return Slice(0, first.first_kv_head * dim, split.kv_heads * dim)
+        if kind == "gate_up_proj":
+            return Slice(0, *tp.columns(self.intermediate))
+        if kind in ("o_proj", "down_proj"):
+            if what == "bias":  # added once, by rank 0's partial sum
+                return None if tp.rank == 0 else Slice(0, 0, 0)
+            width = split.heads * dim if kind == "o_proj" else self.intermediate // tp.size
+            return Slice(1, tp.rank * width, width)
+        if kind in ("embed_tokens", "lm_head"):
+            rows = tp.vocab_rows(self.vocab)
+            return Slice(0, tp.rank * rows, max(0, min(rows, self.vocab - tp.rank * rows)))
+        return None

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from engine_core.layers.ops import LayerOps
+from engine_core.layers.parallel import TensorParallel
 
 # (layer, q [T, H, D], k and v [T, Hkv, D] already in the cache, scale, the step's attention
 # metadata, out [T, H, D] or None) -> the attention [T, H, D]: attention.attend (the CPU,
@@ -20,10 +21,21 @@ AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float, Any,
 
 
 class ModelKit(NamedTuple):
-    """The device's implementations a model's layers run on (the Platform chooses them)."""
+    """The device's implementations a model's layers run on (the Platform chooses them), and
+    the model's share of a tensor-parallel group (None: the whole model, on one device)."""
 
     ops: LayerOps
     attend: AttendFn
+    tp: TensorParallel | None = None
+
+
+class Slice(NamedTuple):
+    """A rank's part of a checkpoint tensor: `size` entries from `start` along `dim` (a size of
+    0: none, the parameter stays zeros, as a row-parallel bias off rank 0)."""
+
+    dim: int
+    start: int
+    size: int
 
 
 class Part(NamedTuple):

@@ -3,9 +3,11 @@
 The model is built on the meta device (no memory, no random init), given empty storage of the
 serving dtype on the device, then each tensor of the checkpoint is copied into its place: a
 projection that the model merges (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`: the
-class's `packed()`) into its rows of the merged weight. Every place must be filled once and
-every tensor must have a place (a tied LM head's copy and transformers' rotary buffers
-excepted): a checkpoint that does not fit the class is an error that names the tensor.
+class's `packed()`) into its rows of the merged weight. Under tensor parallelism each rank
+reads only its slice of each tensor (the class's `tp_slice`), through safetensors'
+`get_slice`. Every place must be filled once and every tensor must have a place (a tied LM
+head's copy and transformers' rotary buffers excepted): a checkpoint that does not fit the
+class is an error that names the tensor.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine_core.models.parts import ModelKit, Part
+from engine_core.models.parts import ModelKit, Part, Slice
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # computed, in old checkpoints
 
@@ -91,7 +93,12 @@ def load_weights(model: nn.Module, files: list[Path], device: torch.device) -> N
                     target: torch.Tensor = params[name]
                     if part is not None:
                         target = target.narrow(0, *part.rows)
-                    tensor = f.get_tensor(key)
+                    cut = model.tp_slice(name, part)  # type: ignore[operator]
+                    if cut is None:
+                        tensor = f.get_tensor(key)
+                    else:
+                        target = _zeroed_head(target, cut)
+                        tensor = _read_slice(f, key, cut)
                     if target.shape != tensor.shape:
                         raise ValueError(f"{file.name}: {key} is {tuple(tensor.shape)}, its "
                                          f"place {name} {tuple(target.shape)}")
@@ -124,3 +131,18 @@ def _places(params: dict[str, nn.Parameter], packed: dict[str, Part]
     for name in params:
         parts = [merged[n] for n in name.split(".") if n in merged]
         yield name, parts[0] if parts else 0
+
+
+def _zeroed_head(target: torch.Tensor, cut: Slice) -> torch.Tensor:
+    """The part of `target` a rank's slice fills; the rest (a last rank's rows past the
+    vocabulary, a bias off rank 0) zeros."""
+    if cut.size < target.shape[cut.dim]:
+        target.zero_()
+    return target.narrow(cut.dim, 0, cut.size)
+
+
+def _read_slice(f: Any, key: str, cut: Slice) -> torch.Tensor:
+    """Only `cut` of checkpoint tensor `key`, read from the file as such."""
+    whole = f.get_slice(key)
+    span = slice(cut.start, cut.start + cut.size)
+    return whole[span] if cut.dim == 0 else whole[:, span]

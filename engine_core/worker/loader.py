@@ -24,6 +24,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 
 from engine_core.config import EngineConfig
 from engine_core.layers import attention, attention_cuda
+from engine_core.layers.parallel import TensorParallel
 from engine_core.models import model_class
 from engine_core.models.parts import ModelKit
 from engine_core.models.weights import checkpoint_files, load_model, local_folder
@@ -68,13 +69,19 @@ class HFDecoder(nn.Module):
         return hidden
 
 
-def load(config: EngineConfig, hf_config: Any, platform: Platform, max_model_len: int
-         ) -> Loaded:
+def load(config: EngineConfig, hf_config: Any, platform: Platform, max_model_len: int,
+         tp: TensorParallel | None = None) -> Loaded:
+    """The model, or with `tp` this rank's shard of it (Tandem's own files only)."""
     files, why = _own_checkpoint(config, hf_config, max_model_len)
+    if tp is not None and not files:
+        raise ValueError(f"--tensor-parallel-size {tp.size} needs Tandem's own model file and "
+                         f"a safetensors checkpoint; this model runs through transformers "
+                         f"({why})")
     if files:
         cls = model_class(hf_config)
         kit = ModelKit(platform.layer_ops(),
-                       attention_cuda.attend if platform.attention == "cuda" else attention.attend)
+                       attention_cuda.attend if platform.attention == "cuda" else attention.attend,
+                       tp)
         own = load_model(cls, hf_config, kit, files, platform.dtype, platform.device,
                          max_model_len)
         return Loaded(own.model, Head(own.head_weight, None, None), own.model,
@@ -90,6 +97,20 @@ def load(config: EngineConfig, hf_config: Any, platform: Platform, max_model_len
     head = Head(lm_head.weight, getattr(lm_head, "bias", None),
                 getattr(text, "final_logit_softcapping", None))
     return Loaded(HFDecoder(model.get_decoder()), head, None, f"transformers ({why})")
+
+
+def split_problem(hf_config: Any, config: EngineConfig) -> str | None:
+    """Why the model cannot be split over --tensor-parallel-size ranks, or None; checked
+    before any worker starts."""
+    size = config.tensor_parallel_size
+    cls = model_class(hf_config)
+    if cls is None or config.model_impl == "transformers":
+        return (f"--tensor-parallel-size {size} needs Tandem's own model file (Llama, Qwen2, "
+                f"Qwen3); {', '.join(hf_config.architectures or ['?'])} runs through "
+                "transformers")
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    why = cls.tp_error(text, size)
+    return None if why is None else f"--tensor-parallel-size {size}: {why}"
 
 
 def _own_checkpoint(config: EngineConfig, hf_config: Any, max_model_len: int

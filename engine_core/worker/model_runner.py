@@ -33,15 +33,17 @@ from engine_core.layers import attention, attention_cuda, native, triton_attenti
 from engine_core.layers.chunk_pool import ChunkPool
 from engine_core.layers.linear import prepare_linears
 from engine_core.layers.lm_head import LMHead
+from engine_core.layers.parallel import TensorParallel
 from engine_core.sample.device_sampler import DeviceSampler, HeadWeights
 from engine_core.sched.scheduler import SchedulerOutput
 from engine_core.worker.cuda_graphs import GraphRunner, reserve_bytes
 from engine_core.worker.drafter import Drafter
 from engine_core.worker.input_batch import BlockTables, StepInputs, StepRows
-from engine_core.worker.loader import load
+from engine_core.worker.loader import load, split_problem
 from engine_core.worker.memory_profile import StepMemory, max_useful_blocks, measure_step
 from engine_core.worker.piecewise import PiecewiseRunner
 from engine_core.worker.platform import AttentionBackend, Platform
+from engine_core.worker.tensor_parallel import Rank, Workers
 
 log = logging.getLogger(__name__)
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -80,15 +82,24 @@ class KVShape(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, platform: Platform) -> None:
-        self.device = platform.device
-        self.dtype = platform.dtype
-        self.link = platform.host_link()
+    def __init__(self, config: EngineConfig, platform: Platform, rank: Rank | None = None
+                 ) -> None:
+        """`rank`: a tensor-parallel worker's place in its group; without it, with
+        --tensor-parallel-size N > 1, this runner is rank 0 and starts the N - 1 workers
+        (tensor_parallel.py)."""
         self.hf_config = AutoConfig.from_pretrained(config.model,
                                                     trust_remote_code=config.trust_remote_code)
         text = _text_config(self.hf_config)
+        self.workers = (Workers(config, platform.device,
+                                split_problem(self.hf_config, config), ModelRunner)
+                        if rank is None and config.tensor_parallel_size > 1 else None)
+        self.rank = rank if self.workers is None else self.workers.rank
+        tp = None if self.rank is None else self.rank.tp
+        self.device = platform.device
+        self.dtype = platform.dtype
+        self.link = platform.host_link()
         self.facts = _model_facts(config, text)
-        loaded = load(config, self.hf_config, platform, self.facts.max_model_len)
+        loaded = load(config, self.hf_config, platform, self.facts.max_model_len, tp)
         self.decoder = loaded.decoder
         self.pieces = loaded.pieces  # the decoder in pieces, where it runs so (piecewise.py)
         self.piecewise: PiecewiseRunner | None = None  # captured once the KV cache is
@@ -98,14 +109,17 @@ class ModelRunner:
                                   platform.head_kernels, platform.decoder_panels, self.linear_pool)
         head = loaded.head
         self.head = LMHead(head.weight, head.bias, head.softcap, kernels=platform.head_kernels,
-                           workers=platform.head_workers, chunk=platform.head_chunk)
+                           workers=platform.head_workers, chunk=platform.head_chunk, tp=tp,
+                           vocab=int(text.vocab_size),
+                           announce=None if self.workers is None
+                           else self.workers.rank.channel.send_head)
         self.head_weights = HeadWeights(head.weight, head.bias, head.softcap)
         self.block_size = config.block_size
         self.kernels = (attention_cuda.cuda_kernels(self.dtype, platform.triton_decode,
                                                     platform.triton_kv_write, self.device)
                         if platform.attention == "cuda" else None)
         self._metadata = self._metadata_builder(platform.attention, platform.head_kernels)
-        self.kv_shape = _kv_shape(text)
+        self.kv_shape = _kv_shape(text, tp)
         spec = config.speculative
         self.drafter = (Drafter(config, platform, self.facts.max_model_len,
                                 self.facts.vocab_size)
@@ -114,6 +128,11 @@ class ModelRunner:
         graph_sizes = platform.cuda_graph_sizes if cuda_path else ()
         piece_sizes = platform.piecewise_sizes if cuda_path and self.pieces is not None else ()
         self.num_blocks = self._num_blocks(config, platform, graph_sizes, piece_sizes)
+        if tp is not None:  # every rank's cache holds as many blocks: the smallest's
+            smallest = torch.tensor([self.num_blocks])
+            torch.distributed.all_reduce(smallest, torch.distributed.ReduceOp.MIN,
+                                         group=self.rank.channel.control if self.rank else None)
+            self.num_blocks = int(smallest)
         # graphs' padded rows write their K/V into one more block, never handed out
         self.kv_caches = self._allocate_kv(self.num_blocks + (1 if graph_sizes else 0))
         if self.drafter is not None:  # its K/V in the same blocks as the target's
@@ -239,7 +258,38 @@ class ModelRunner:
             hidden = self.graphs.run(size, inputs, self._decode_slots(inputs), previous)
             return _rows(hidden, keep_rows, self.link), inputs.rows
         tables = TableView(self.tables.host, self.tables.device, inputs.rows.rows)
+        if self.workers is not None:
+            self._send_step(inputs, tables, keep_rows)
         return self.forward(inputs, tables, keep_rows, self.kv_caches, previous), inputs.rows
+
+    def _send_step(self, inputs: StepInputs, tables: TableView, keep_rows: np.ndarray) -> None:
+        """The step's packed inputs to the tensor-parallel workers, in one broadcast."""
+        assert self.workers is not None and not len(inputs.pending_rows), \
+            "tensor parallelism runs without overlapped steps"
+        width = max(1, -(-int((inputs.starts + inputs.num_new).max()) // self.block_size))
+        self.workers.rank.channel.send_step(
+            [inputs.starts, inputs.num_new, inputs.token_ids, keep_rows,
+             tables.host[tables.rows, :width]])
+
+    def serve_rank_zero(self) -> None:
+        """A worker's loop: run each step (and each LM-head scan) rank 0 broadcasts, on this
+        rank's shard, until rank 0 says stop."""
+        assert self.rank is not None and self.workers is None
+        none = np.zeros(0, dtype=np.int64)
+        empty = StepRows(none, none, none, none, none)
+        while True:
+            with torch.inference_mode():
+                command = self.rank.channel.receive(self.head.input_dtype)
+                if command.hidden is not None:
+                    self.head.gather_logits(command.hidden)
+                elif command.arrays:
+                    starts, num_new, token_ids, keep_rows, table = command.arrays
+                    host = table.astype(np.int32)
+                    tables = TableView(host, self.link.upload(host), np.arange(len(host)))
+                    inputs = StepInputs(starts, num_new, token_ids, none, none, empty)
+                    self.forward(inputs, tables, keep_rows, self.kv_caches)
+                else:
+                    return
 
     @torch.inference_mode()
     def draft_forward(self, starts: np.ndarray, num_new: np.ndarray, token_ids: np.ndarray,
@@ -339,10 +389,12 @@ def _rows(hidden: torch.Tensor, keep: np.ndarray, link: Any) -> torch.Tensor:
     return hidden.index_select(0, link.upload(keep))
 
 
-def _kv_shape(text: Any) -> KVShape:
+def _kv_shape(text: Any, tp: TensorParallel | None = None) -> KVShape:
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    if tp is not None:  # this rank's KV heads
+        kv_heads = tp.heads(heads, kv_heads).kv_heads
     return KVShape(text.num_hidden_layers, kv_heads, head_dim)
 
 

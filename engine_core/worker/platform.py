@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -114,7 +114,7 @@ class Platform:
         budget, floor = step_budget(config, device, large)
         dtype = resolve_dtype(config.dtype, device)
         kernels = _head_kernels(device, env)
-        return cls(
+        platform = cls(
             device=device,
             dtype=dtype,
             kv_cache_bytes=kv_cache_bytes(config, device),
@@ -146,6 +146,19 @@ class Platform:
                                    else SPEC_MAX_BATCH_CPU),
             head_kernels=kernels,
         )
+        return platform.split(config.tensor_parallel_size)
+
+    def split(self, ranks: int) -> Platform:
+        """Each of `ranks` tensor-parallel ranks' platform (worker/tensor_parallel.py): its
+        share of the CPU's threads, steps eager and not overlapped (the workers replay only
+        what rank 0 broadcasts; CUDA graphs of the all-reduces are not built yet), and the
+        sampler on the head's scan, which gathers the ranks' logits."""
+        if ranks == 1:
+            return self
+        threads = max(1, (self.torch_threads or torch.get_num_threads()) // ranks)
+        return replace(self, torch_threads=threads, thread_choices=(), head_workers=1,
+                       head_chunk=None, device_sampling=False, async_scheduling=False,
+                       cuda_graph_sizes=(), piecewise_sizes=())
 
     def layer_ops(self) -> LayerOps:
         """The decoder layers' small ops (engine_core/layers/ops.py): the Triton kernels on

@@ -61,7 +61,7 @@ def test_a_vllm_command_line_serves(tiny_llama: Path, tmp_path: Path) -> None:
 
 def test_a_flag_that_cannot_be_served_is_a_clear_start_up_error(tiny_llama: Path,
                                                                 tmp_path: Path) -> None:
-    server = Server(tiny_llama, tmp_path, "--tensor_parallel_size", "2")
+    server = Server(tiny_llama, tmp_path, "--tensor_parallel_size", "0")
     assert server.proc.wait(timeout=60) == 2
 
 

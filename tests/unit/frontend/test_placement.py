@@ -57,3 +57,18 @@ def test_event_ports_two_ranks_would_share_are_a_usage_error(capsys) -> None:
     assert exc.value.code == 2
     assert "rank 1's endpoint tcp://*:5558 is also rank 0's replay_endpoint" in (
         capsys.readouterr().err)
+
+
+def test_tensor_parallel_engines_see_adjacent_gpus() -> None:
+    env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4"}
+    places = plan(2, "ipc:///e", "cuda", env=env, cpus=[0, 1], tensor_parallel=2)
+    assert [p.cuda_device for p in places] == ["0,1", "2,3"]
+    (only,) = plan(1, "ipc:///e", "cuda", env=env, tensor_parallel=4)
+    assert only.cuda_device is None  # one engine keeps the GPUs it sees
+    with pytest.raises(PlacementError, match="--data-parallel-size 2 x --tensor-parallel-size 3"
+                                             " needs 6 GPUs; 5 visible"):
+        plan(2, "ipc:///e", "cuda", env=env, tensor_parallel=3)
+    with pytest.raises(PlacementError, match="needs 8 GPUs"):
+        plan(1, "ipc:///e", "auto", env=env, tensor_parallel=8)
+    assert plan(2, "ipc:///e", "cpu", env=env, cpus=[0, 1], tensor_parallel=2)[1].cuda_device \
+        is None

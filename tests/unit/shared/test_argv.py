@@ -55,7 +55,9 @@ def test_vllm_aliases_reach_the_engine_under_tandems_names() -> None:
 
 
 @pytest.mark.parametrize(("flags", "problem"), [
-    (["--tensor-parallel-size", "2"], "one GPU"),
+    (["--tensor-parallel-size", "0"], "at least 1"),
+    (["--tensor-parallel-size", "2", "--speculative-config", '{"method": "ngram"}'],
+     "not yet with --tensor-parallel-size"),
     (["--max-logprobs", "21"], "between 0 and 20"),
     (["--gpu-memory-utilization", "1.5"], "(0, 1]"),
 ])
