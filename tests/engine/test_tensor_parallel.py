@@ -2,7 +2,8 @@
 process; greedy tokens equal Hugging Face's and logprobs (sampled, top-5, prompt) are within
 the parity tolerance, with chunked prefill and preemption, for the tiny Llama (4 heads, 2 KV
 heads), the tiny Qwen2 (q/k/v biases) and a Llama with one KV head (replicated on both
-ranks). A model that does not split is refused before any worker starts."""
+ranks; the unit test's model, with biases, a tied head and an uneven vocabulary split). A
+model that does not split is refused before any worker starts."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.engine.test_hf_parity import (
     make_prompts,
     submit_and_run,
 )
+from tests.unit.engine_core.models.test_tensor_parallel import few_kv_heads
 
 
 def _tp_engine(path: Path, **kw) -> EngineCore:
@@ -63,22 +65,8 @@ def test_qwen2_biases_follow_their_heads(tiny_qwen2):
         _close(core)
 
 
-def _one_kv_head(folder: Path) -> Path:
-    config = LlamaConfig(vocab_size=301, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                         max_position_embeddings=256, attention_bias=True)
-    config.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.save_pretrained(folder)
-    return folder
-
-
 def test_kv_heads_fewer_than_ranks_are_replicated(tmp_path):
-    folder = _one_kv_head(tmp_path / "kv1")
+    folder = few_kv_heads(tmp_path / "kv1")
     core = _tp_engine(folder, num_kv_blocks=64, max_num_batched_tokens=16)
     try:
         gen = torch.Generator().manual_seed(1)

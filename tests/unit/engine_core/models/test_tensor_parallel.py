@@ -93,7 +93,7 @@ def _rank(rank: int, size: int, port: int, folders: list[Path]) -> None:
         dist.destroy_process_group()
 
 
-def _few_kv_heads(folder: Path) -> Path:
+def few_kv_heads(folder: Path) -> Path:
     """A Llama with one KV head (fewer than the ranks), biases on every attention and MLP
     product (the row-parallel ones added once) and a vocabulary no rank count divides."""
     config = LlamaConfig(vocab_size=301, hidden_size=64, intermediate_size=96,
@@ -113,7 +113,7 @@ def _few_kv_heads(folder: Path) -> Path:
 def test_two_ranks_give_the_whole_models_logits(tiny_llama, tiny_qwen2, tmp_path):
     """The tiny Llama (4 heads, 2 KV heads), the tiny Qwen2 (q/k/v biases, which follow their
     heads) and a Llama with a single KV head, each at TP = 2 against TP = 1."""
-    folders = [tiny_llama, tiny_qwen2, _few_kv_heads(tmp_path / "kv1")]
+    folders = [tiny_llama, tiny_qwen2, few_kv_heads(tmp_path / "kv1")]
     mp.spawn(_rank, args=(2, _free_port(), folders), nprocs=2, join=True)
 
 
