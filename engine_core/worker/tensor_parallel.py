@@ -2,11 +2,15 @@
 
 Every rank runs the same `ModelRunner` on its shard of the weights (engine_core/layers/
 parallel.py) and holds its own heads' KV cache; the engine's scheduler and sampler run on rank
-0 only. A step reaches the workers once: rank 0 broadcasts one header and one packed int64
-buffer (the step's token ids, starts, new-token counts, rows kept for the head, and the block
-table's rows of its sequences), then every rank runs the forward, whose all-reduces sync the
-ranks twice a layer. Each LM-head scan on rank 0 broadcasts the hidden rows it scores so the
-workers compute their vocabulary columns for the all-gather. The step's tokens are rank 0's.
+0 only; every worker runs rank 0's platform (`Platform.ship`). A step reaches the workers
+once: rank 0 broadcasts one header (with the decode graph it replays) and one packed int64
+buffer (the step's token ids, starts, new-token counts, rows kept for the head, the rows whose
+token is still on the device, and the block table's rows of its sequences), plus, for an
+overlapped step with such rows, the previous step's sampled tokens from the device; then every
+rank runs the forward (the same graph, or eagerly), whose all-reduces sync the ranks twice a
+layer. Each LM-head scan on rank 0 broadcasts the hidden rows it scores so the workers compute
+their vocabulary columns for the all-gather. The step's tokens are rank 0's. At start-up the
+ranks agree on each captured graph (`StepChannel.all_agree`, cuda_graphs.capture_ladder).
 
 The control broadcasts run on a gloo group (host memory, like vLLM's shared-memory queue);
 the model's collectives on the default group: gloo on the CPU, NCCL on CUDA. A worker that
