@@ -47,7 +47,6 @@ _HEADER = 12
 # a step's 1-D arrays: starts, num_new, token ids, rows kept for the head, and the rows whose
 # token is still on the device with their rows in the previous step's sampled tokens
 _ARRAYS = 6
-_COUNTS = 4  # a worker's report: `GraphCounts`
 
 
 class GraphCounts(NamedTuple):
@@ -120,7 +119,7 @@ class StepChannel:
         self._gather(own)
 
     def _gather(self, own: GraphCounts) -> list[list[int]]:
-        rows = [torch.zeros(_COUNTS, dtype=torch.int64)
+        rows = [torch.zeros(len(own), dtype=torch.int64)
                 for _ in range(dist.get_world_size(self.control))]
         dist.all_gather(rows, torch.tensor(own, dtype=torch.int64), group=self.control)
         return [r.tolist() for r in rows]
