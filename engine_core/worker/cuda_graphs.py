@@ -16,7 +16,12 @@ graph captured once per batch size replays them all from one call. As vLLM and n
   every step with --enforce-eager;
 - a capture that fails is logged with its reason and the engine runs eagerly: start-up never
   fails because of graphs. Their memory is set aside from the KV cache's budget beforehand
-  (`reserve_bytes`) and the real figure logged after the capture.
+  (`reserve_bytes`) and the real figure logged after the capture;
+- under tensor parallelism every rank captures the same sizes in the same order (each capture
+  runs the forward, its all-reduces paired across the ranks) and, after each graph, the ranks
+  agree (`Agreement`): a failure on any rank leaves every rank without graphs, so that no rank
+  replays a graph (whose captured collectives wait for the others) while another runs eagerly.
+  A step rank 0 replays, each worker replays at the same size (model_runner.py).
 
 `StandInGraph` replays by running the captured function again, eagerly: the CPU runs every
 piece of this bookkeeping (ladder, padding, dummy rows, persistent buffers) that way, and its
@@ -47,6 +52,9 @@ IDS, POSITIONS, SLOTS, TABLE_ROWS, SEQ_LENS, PENDING = range(6)
 # the decoder's final hidden states [b, hidden]
 GraphForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                         torch.Tensor]
+# this rank's "captured" -> whether every rank's was (tensor parallelism: one MIN all-reduce)
+Agreement = Callable[[bool], bool]
+GraphFn = Callable[[], torch.Tensor]  # what a graph captures: its output stays in place
 
 
 def capture_sizes(max_num_seqs: int, given: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -110,6 +118,35 @@ class CudaGraph:
         self.graph.replay()
 
 
+def capture_ladder(sizes: Sequence[int], pieces: Callable[[int], list[GraphFn]],
+                   stand_in: bool, what: str, agree: Agreement | None = None
+                   ) -> dict[int, list[Graph]]:
+    """A graph of each of `pieces(size)` for every size, largest first, in one memory pool
+    (`StandInGraph`s with `stand_in`). A failure, here or (`agree`) on another rank, is logged
+    and leaves none: `what` then runs eagerly. The ranks agree after each graph, before the
+    next one's warm-up runs its collectives: a capture only records them (a failed one has
+    paired them already), the warm-up runs them."""
+    pool = None if stand_in else torch.cuda.graph_pool_handle()
+    graphs: dict[int, list[Graph]] = {}
+    for size in sorted(sizes, reverse=True):
+        graphs[size] = []
+        for fn in pieces(size):
+            try:
+                graphs[size].append(StandInGraph(fn) if stand_in else CudaGraph(fn, pool))
+                ok = True
+            except Exception as exc:  # never fail start-up for a graph: run eagerly instead
+                log.warning("CUDA graph capture failed (%s: %s); %s run eagerly",
+                            type(exc).__name__, exc, what)
+                ok = False
+            if agree is not None and not agree(ok) and ok:
+                log.warning("CUDA graph capture failed on another tensor-parallel rank; %s "
+                            "run eagerly on every rank", what)
+                ok = False
+            if not ok:
+                return {}
+    return graphs
+
+
 class GraphRunner:
     """Decode-only steps through captured graphs (see the module docstring)."""
 
@@ -135,17 +172,11 @@ class GraphRunner:
     def max_size(self) -> int:
         return self.sizes[-1]
 
-    def capture(self) -> None:
-        """Capture every size, largest first (one shared pool); a failure leaves none."""
-        pool = None if self.stand_in else torch.cuda.graph_pool_handle()
-        try:
-            for size in reversed(self.sizes):
-                fn = self._bound(size)
-                self.graphs[size] = StandInGraph(fn) if self.stand_in else CudaGraph(fn, pool)
-        except Exception as exc:  # never fail start-up for a graph: run eagerly instead
-            log.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly",
-                        type(exc).__name__, exc)
-            self.graphs.clear()
+    def capture(self, agree: Agreement | None = None) -> None:
+        """Capture every size (`capture_ladder`; `agree`: the tensor-parallel ranks')."""
+        ladder = capture_ladder(self.sizes, lambda size: [self._bound(size)], self.stand_in,
+                                "decode steps", agree)
+        self.graphs = {size: graphs[0] for size, graphs in ladder.items()}
 
     def _bound(self, size: int) -> Callable[[], torch.Tensor]:
         b = self.buffers[:, :size]

@@ -138,6 +138,18 @@ class BlockTables:
             r, c, b = self.link.upload_many([at_rows, at_cols, blocks], np.int64)
             self.device.index_put_((r, c), b.to(torch.int32))
 
+    def write_rows(self, table: np.ndarray) -> np.ndarray:
+        """A tensor-parallel worker's table (it keeps no request): rows 0..B-1 hold `table`
+        [B, width], rank 0's rows of a step's B sequences, on the host and the device; their
+        row ids. Columns past `width` keep stale blocks no attention reads (each sequence reads
+        its blocks below its context length)."""
+        rows, width = table.shape
+        assert rows <= self.dummy_row, "more sequences in a step than the table has rows"
+        self.host[:rows, :width] = table
+        if not self._shared:
+            self.device[:rows, :width].copy_(self.link.upload(self.host[:rows, :width]))
+        return np.arange(rows, dtype=np.int64)
+
     def rows_view(self, rows: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """The host table's `rows`, as wide as the longest needs."""
         width = max(1, -(-int(ends.max()) // self.block_size)) if len(ends) else 1

@@ -36,14 +36,14 @@ from engine_core.layers.lm_head import LMHead
 from engine_core.layers.parallel import TensorParallel
 from engine_core.sample.device_sampler import DeviceSampler, HeadWeights
 from engine_core.sched.scheduler import SchedulerOutput
-from engine_core.worker.cuda_graphs import GraphRunner, reserve_bytes
+from engine_core.worker.cuda_graphs import Agreement, GraphRunner, reserve_bytes
 from engine_core.worker.drafter import Drafter
 from engine_core.worker.input_batch import BlockTables, StepInputs, StepRows
 from engine_core.worker.loader import load, split_problem
 from engine_core.worker.memory_profile import StepMemory, max_useful_blocks, measure_step
 from engine_core.worker.piecewise import PiecewiseRunner
 from engine_core.worker.platform import AttentionBackend, Platform
-from engine_core.worker.tensor_parallel import Rank, Workers
+from engine_core.worker.tensor_parallel import GraphCounts, Rank, Workers
 
 log = logging.getLogger(__name__)
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -90,8 +90,8 @@ class ModelRunner:
         self.hf_config = AutoConfig.from_pretrained(config.model,
                                                     trust_remote_code=config.trust_remote_code)
         text = _text_config(self.hf_config)
-        self.workers = (Workers(config, platform.device,
-                                split_problem(self.hf_config, config), ModelRunner)
+        self.workers = (Workers(config, platform, split_problem(self.hf_config, config),
+                                ModelRunner)
                         if rank is None and config.tensor_parallel_size > 1 else None)
         self.rank = rank if self.workers is None else self.workers.rank
         tp = None if self.rank is None else self.rank.tp
@@ -128,11 +128,8 @@ class ModelRunner:
         graph_sizes = platform.cuda_graph_sizes if cuda_path else ()
         piece_sizes = platform.piecewise_sizes if cuda_path and self.pieces is not None else ()
         self.num_blocks = self._num_blocks(config, platform, graph_sizes, piece_sizes)
-        if tp is not None:  # every rank's cache holds as many blocks: the smallest's
-            smallest = torch.tensor([self.num_blocks])
-            torch.distributed.all_reduce(smallest, torch.distributed.ReduceOp.MIN,
-                                         group=self.rank.channel.control if self.rank else None)
-            self.num_blocks = int(smallest)
+        if self.rank is not None:  # every rank's cache holds as many blocks: the smallest's
+            self.num_blocks = self.rank.channel.smallest(self.num_blocks)
         # graphs' padded rows write their K/V into one more block, never handed out
         self.kv_caches = self._allocate_kv(self.num_blocks + (1 if graph_sizes else 0))
         if self.drafter is not None:  # its K/V in the same blocks as the target's
@@ -187,7 +184,7 @@ class ModelRunner:
                              dummy_row=self.tables.dummy_row, stand_in=not cuda)
         before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
         with torch.inference_mode():
-            graphs.capture()
+            graphs.capture(self._agreement())
         if cuda:
             log.info("CUDA graphs of %d sizes took %.2f GiB", len(graphs.graphs),
                      (before - torch.cuda.mem_get_info(self.device)[0]) / 2**30)
@@ -199,12 +196,24 @@ class ModelRunner:
         runner = PiecewiseRunner(sizes, self.pieces, self.device, self.dtype, stand_in=not cuda)
         before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
         with torch.inference_mode():
-            runner.capture()
+            runner.capture(self._agreement())
         if cuda:
             log.info("piecewise CUDA graphs of %d token counts up to %d took %.2f GiB",
                      len(runner.graphs), runner.max_size,
                      (before - torch.cuda.mem_get_info(self.device)[0]) / 2**30)
         return runner
+
+    def _agreement(self) -> Agreement | None:
+        """How the tensor-parallel ranks agree that each graph captured (None: one rank)."""
+        return None if self.rank is None else self.rank.channel.all_agree
+
+    def graph_counts(self) -> GraphCounts:
+        """This rank's graphs: sizes captured and replays, decode and piecewise."""
+        graphs, pieces = self.graphs, self.piecewise
+        return GraphCounts(len(graphs.graphs) if graphs else 0,
+                           sum(graphs.replays.values()) if graphs else 0,
+                           len(pieces.graphs) if pieces else 0,
+                           sum(pieces.replays.values()) if pieces else 0)
 
     def _graph_forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                        table_rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -248,48 +257,69 @@ class ModelRunner:
         `keep_rows` (the LM head runs later, in `self.head`, on just the rows that need it),
         and where the step's requests are in the block table (for `note_sampled`).
         `previous`: the previous step's sampled tokens, on the device, where an overlapped
-        step left placeholders for them (moved there if a host sampler made them)."""
+        step left placeholders for them (moved there if a host sampler made them). Under
+        tensor parallelism the step goes to the workers first (`_send_step`)."""
         inputs = self.tables.inputs(sched)
         if previous is not None and previous.device != self.device:
             previous = previous.to(self.device, non_blocking=True)
         size = self.graphs.size_for(inputs) if self.graphs is not None else None
-        if size is not None:
-            assert self.graphs is not None
-            hidden = self.graphs.run(size, inputs, self._decode_slots(inputs), previous)
-            return _rows(hidden, keep_rows, self.link), inputs.rows
         tables = TableView(self.tables.host, self.tables.device, inputs.rows.rows)
         if self.workers is not None:
-            self._send_step(inputs, tables, keep_rows)
-        return self.forward(inputs, tables, keep_rows, self.kv_caches, previous), inputs.rows
+            self._send_step(inputs, tables, keep_rows, size,
+                            previous if len(inputs.pending_rows) else None)
+        return self._run(inputs, tables, keep_rows, size, previous), inputs.rows
 
-    def _send_step(self, inputs: StepInputs, tables: TableView, keep_rows: np.ndarray) -> None:
-        """The step's packed inputs to the tensor-parallel workers, in one broadcast."""
-        assert self.workers is not None and not len(inputs.pending_rows), \
-            "tensor parallelism runs without overlapped steps"
+    def _run(self, inputs: StepInputs, tables: TableView, keep_rows: np.ndarray,
+             graph: int | None, previous: torch.Tensor | None) -> torch.Tensor:
+        """The step's forward: the decode graph of size `graph`, else eagerly (`forward`)."""
+        if graph is None:
+            return self.forward(inputs, tables, keep_rows, self.kv_caches, previous)
+        assert self.graphs is not None
+        hidden = self.graphs.run(graph, inputs, self._decode_slots(inputs), previous)
+        return _rows(hidden, keep_rows, self.link)
+
+    def _send_step(self, inputs: StepInputs, tables: TableView, keep_rows: np.ndarray,
+                   graph: int | None, previous: torch.Tensor | None) -> None:
+        """The step to the tensor-parallel workers: its packed inputs in one broadcast, the
+        graph it replays, and the tokens its placeholders stand for."""
+        assert self.workers is not None
         width = max(1, -(-int((inputs.starts + inputs.num_new).max()) // self.block_size))
         self.workers.rank.channel.send_step(
-            [inputs.starts, inputs.num_new, inputs.token_ids, keep_rows,
-             tables.host[tables.rows, :width]])
+            [inputs.starts, inputs.num_new, inputs.token_ids, keep_rows, inputs.pending_rows,
+             inputs.pending_src, tables.host[tables.rows, :width]], graph or 0, previous)
 
     def serve_rank_zero(self) -> None:
         """A worker's loop: run each step (and each LM-head scan) rank 0 broadcasts, on this
-        rank's shard, until rank 0 says stop."""
+        rank's shard, until rank 0 says stop. A step's sequences take rows 0..B-1 of this
+        rank's own block table (a worker keeps no request), so a decode graph replays as
+        rank 0's does."""
         assert self.rank is not None and self.workers is None
+        channel = self.rank.channel
         none = np.zeros(0, dtype=np.int64)
-        empty = StepRows(none, none, none, none, none)
         while True:
             with torch.inference_mode():
-                command = self.rank.channel.receive(self.head.input_dtype)
+                command = channel.receive(self.head.input_dtype)
                 if command.hidden is not None:
                     self.head.gather_logits(command.hidden)
                 elif command.arrays:
-                    starts, num_new, token_ids, keep_rows, table = command.arrays
-                    host = table.astype(np.int32)
-                    tables = TableView(host, self.link.upload(host), np.arange(len(host)))
-                    inputs = StepInputs(starts, num_new, token_ids, none, none, empty)
-                    self.forward(inputs, tables, keep_rows, self.kv_caches)
+                    starts, num_new, token_ids, keep_rows, pending_rows, pending_src, table = \
+                        command.arrays
+                    rows = self.tables.write_rows(table)
+                    inputs = StepInputs(starts, num_new, token_ids, pending_rows, pending_src,
+                                        StepRows(rows, none, none, none, none))
+                    tables = TableView(self.tables.host, self.tables.device, rows)
+                    self._run(inputs, tables, keep_rows, command.graph or None,
+                              command.previous)
+                elif command.asks_counts:
+                    channel.answer_counts(self.graph_counts())
                 else:
                     return
+
+    def graph_counts_of_every_rank(self) -> list[GraphCounts]:
+        """Rank 0's and each worker's `graph_counts` (rank 0's alone without workers)."""
+        if self.workers is None:
+            return [self.graph_counts()]
+        return self.workers.rank.channel.ask_counts(self.graph_counts())
 
     @torch.inference_mode()
     def draft_forward(self, starts: np.ndarray, num_new: np.ndarray, token_ids: np.ndarray,

@@ -17,22 +17,21 @@ smallest size of at least T: rows past T hold whatever they held (valid token id
 activations); rows are independent through every piece, and no attention reads or writes them,
 so their results are dropped. Steps longer than the ladder run eagerly (their GPU time hides
 the host's); `--enforce-eager` turns these graphs off with the others. A capture that fails is
-logged and the steps run eagerly. `StandInGraph` replays by running the piece again: the CPU
+logged and the steps run eagerly (on every tensor-parallel rank together, as the decode
+graphs': cuda_graphs.py). Every rank replays the same size for a step: it is the step's token
+count's, which every rank knows. `StandInGraph` replays by running the piece again: the CPU
 checks this bookkeeping's tokens against the eager path (tests/engine/test_cuda_graphs.py).
 """
 
 from __future__ import annotations
 
 import bisect
-import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from engine_core.worker.cuda_graphs import CudaGraph, Graph, StandInGraph
-
-log = logging.getLogger(__name__)
+from engine_core.worker.cuda_graphs import Agreement, Graph, GraphFn, capture_ladder
 
 MAX_PIECEWISE_TOKENS = 512  # the ladder's top; longer steps are eager (docs/gpu.md)
 
@@ -72,30 +71,24 @@ class PiecewiseRunner:
     def max_size(self) -> int:
         return self.sizes[-1]
 
-    def pieces(self, size: int) -> list[Callable[[], torch.Tensor]]:
+    def pieces(self, size: int) -> list[GraphFn]:
         """What each graph of `size` runs, in order: begin, between 0 .. L-2, end."""
         model, n = self.model, size
         ids, residual, qkv = self.ids[:n], self.residual[:n], self.qkv[:n]
         attended = self.attended[:n].view(n, -1)
 
-        def between(i: int) -> Callable[[], torch.Tensor]:
+        def between(i: int) -> GraphFn:
             return lambda: model.between(i, attended, residual, qkv)
 
         return ([lambda: model.begin(ids, residual, qkv)[1]]
                 + [between(i) for i in range(model.num_layers - 1)]
                 + [lambda: model.end(attended, residual)])
 
-    def capture(self) -> None:
-        """Every size's pieces, largest first, in one shared pool; a failure leaves none."""
-        pool = None if self.stand_in else torch.cuda.graph_pool_handle()
-        try:
-            for size in reversed(self.sizes):
-                self.graphs[size] = [StandInGraph(fn) if self.stand_in else CudaGraph(fn, pool)
-                                     for fn in self.pieces(size)]
-        except Exception as exc:  # never fail start-up for a graph: run eagerly instead
-            log.warning("piecewise CUDA graph capture failed (%s: %s); steps with a prefill "
-                        "run eagerly", type(exc).__name__, exc)
-            self.graphs.clear()
+    def capture(self, agree: Agreement | None = None) -> None:
+        """Every size's pieces (`capture_ladder`, one shared pool; `agree`: the
+        tensor-parallel ranks', whose pieces' all-reduces pair up piece by piece)."""
+        self.graphs = capture_ladder(self.sizes, self.pieces, self.stand_in,
+                                     "steps with a prefill", agree)
 
     def size_for(self, tokens: int) -> int | None:
         """The size a step of `tokens` tokens replays, or None (eager)."""

@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -150,15 +150,19 @@ class Platform:
 
     def split(self, ranks: int) -> Platform:
         """Each of `ranks` tensor-parallel ranks' platform (worker/tensor_parallel.py): its
-        share of the CPU's threads, steps eager and not overlapped (the workers replay only
-        what rank 0 broadcasts; CUDA graphs of the all-reduces are not built yet), and the
-        sampler on the head's scan, which gathers the ranks' logits."""
+        share of the CPU's threads and the sampler on the head's scan, which gathers the
+        ranks' logits (the device sampler's head is not split). CUDA graphs and overlapped
+        steps stay: every rank captures the same graphs and replays what rank 0 does."""
         if ranks == 1:
             return self
         threads = max(1, (self.torch_threads or torch.get_num_threads()) // ranks)
         return replace(self, torch_threads=threads, thread_choices=(), head_workers=1,
-                       head_chunk=None, device_sampling=False, async_scheduling=False,
-                       cuda_graph_sizes=(), piecewise_sizes=())
+                       head_chunk=None, device_sampling=False)
+
+    def ship(self) -> ShippedPlatform:
+        """This platform as a tensor-parallel worker is given it (pickled at its spawn), so
+        that every rank runs rank 0's choices, whatever rank 0 was given."""
+        return ShippedPlatform(replace(self, head_kernels=None), self.head_kernels is not None)
 
     def layer_ops(self) -> LayerOps:
         """The decoder layers' small ops (engine_core/layers/ops.py): the Triton kernels on
@@ -206,6 +210,26 @@ class Platform:
         device = self.device
         return HostLink(device, pinned=True, align=aligned,
                         synchronize=lambda: torch.cuda.current_stream(device).synchronize())
+
+
+class ShippedPlatform(NamedTuple):
+    """A `Platform` on its way to a tensor-parallel worker: every choice but the compiled CPU
+    kernels (a loaded library), which the worker loads itself (`load`) where rank 0 had
+    them."""
+
+    platform: Platform
+    kernels: bool
+
+    def load(self, device: torch.device, environ: Mapping[str, str] | None = None
+             ) -> Platform:
+        """The worker's platform: rank 0's on `device`, the kernels loaded from the build cache
+        rank 0 used (the environment is rank 0's: a spawned process inherits it)."""
+        env = os.environ if environ is None else environ
+        kernels = _head_kernels(device, env) if self.kernels else None
+        if self.kernels and kernels is None:
+            raise RuntimeError("a tensor-parallel worker could not load the compiled CPU "
+                               "kernels rank 0 runs with")
+        return replace(self.platform, device=device, head_kernels=kernels)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -2,11 +2,15 @@
 
 Every rank runs the same `ModelRunner` on its shard of the weights (engine_core/layers/
 parallel.py) and holds its own heads' KV cache; the engine's scheduler and sampler run on rank
-0 only. A step reaches the workers once: rank 0 broadcasts one header and one packed int64
-buffer (the step's token ids, starts, new-token counts, rows kept for the head, and the block
-table's rows of its sequences), then every rank runs the forward, whose all-reduces sync the
-ranks twice a layer. Each LM-head scan on rank 0 broadcasts the hidden rows it scores so the
-workers compute their vocabulary columns for the all-gather. The step's tokens are rank 0's.
+0 only; every worker runs rank 0's platform (`Platform.ship`). A step reaches the workers
+once: rank 0 broadcasts one header (with the decode graph it replays) and one packed int64
+buffer (the step's token ids, starts, new-token counts, rows kept for the head, the rows whose
+token is still on the device, and the block table's rows of its sequences), plus, for an
+overlapped step with such rows, the previous step's sampled tokens from the device; then every
+rank runs the forward (the same graph, or eagerly), whose all-reduces sync the ranks twice a
+layer. Each LM-head scan on rank 0 broadcasts the hidden rows it scores so the workers compute
+their vocabulary columns for the all-gather. The step's tokens are rank 0's. At start-up the
+ranks agree on each captured graph (`StepChannel.all_agree`, cuda_graphs.capture_ladder).
 
 The control broadcasts run on a gloo group (host memory, like vLLM's shared-memory queue);
 the model's collectives on the default group: gloo on the CPU, NCCL on CUDA. A worker that
@@ -24,7 +28,6 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any, NamedTuple
@@ -35,21 +38,42 @@ import torch.distributed as dist
 
 from engine_core.config import EngineConfig
 from engine_core.layers.parallel import TensorParallel
+from engine_core.worker.platform import Platform, ShippedPlatform
 
 log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
-_STEP, _HEAD, _STOP = 1, 2, 3
-_HEADER = 8
-_ARRAYS = 4  # a step's 1-D arrays: starts, num_new, token ids, rows kept for the head
+_STEP, _HEAD, _STOP, _REPORT = 1, 2, 3, 4
+_HEADER = 12
+# a step's 1-D arrays: starts, num_new, token ids, rows kept for the head, and the rows whose
+# token is still on the device with their rows in the previous step's sampled tokens
+_ARRAYS = 6
+
+
+class GraphCounts(NamedTuple):
+    """A rank's graphs: how many sizes are captured and how often they were replayed, of the
+    decode graphs and of the piecewise ones."""
+
+    decode_sizes: int
+    decode_replays: int
+    piecewise_sizes: int
+    piecewise_replays: int
 
 
 class StepCommand(NamedTuple):
-    """What a worker is told to do: a step's forward (its packed inputs), an LM-head scan
-    (`hidden`, the rows rank 0 scores), or stop."""
+    """What a worker is told to do: a step's forward (its packed inputs; `graph`, the decode
+    graph's size rank 0 replays, 0 for an eager step; `previous`, the previous step's sampled
+    tokens where the step has placeholders), an LM-head scan (`hidden`, the rows rank 0
+    scores), a report of its graphs' counts, or stop."""
 
     kind: int
     arrays: tuple[np.ndarray, ...] = ()
     hidden: torch.Tensor | None = None
+    graph: int = 0
+    previous: torch.Tensor | None = None
+
+    @property
+    def asks_counts(self) -> bool:
+        return self.kind == _REPORT
 
 
 class StepChannel:
@@ -58,16 +82,22 @@ class StepChannel:
     def __init__(self, control: Any, device: torch.device) -> None:
         self.control, self.device = control, device
 
-    def send_step(self, arrays: list[np.ndarray]) -> None:
+    def send_step(self, arrays: list[np.ndarray], graph: int = 0,
+                  previous: torch.Tensor | None = None) -> None:
         """The step's packed inputs (1-D int64 arrays; the last may be 2-D, sent flat with
-        its width)."""
+        its width), the decode graph it replays (0: none) and, where it has placeholders, the
+        previous step's sampled tokens: broadcast on the default group from the device (NCCL
+        on CUDA: no host sync), after the control group's two."""
         *flat, table = arrays
         assert len(flat) == _ARRAYS
-        sizes = [len(a) for a in flat] + [table.shape[0], table.shape[1]]
+        sizes = [len(a) for a in flat] + [table.shape[0], table.shape[1], graph,
+                                          -1 if previous is None else len(previous)]
         header = torch.tensor([_STEP, *sizes] + [0] * (_HEADER - 1 - len(sizes)))
         payload = np.concatenate([*flat, table.ravel()]).astype(np.int64)
         dist.broadcast(header, 0, group=self.control)
         dist.broadcast(torch.from_numpy(payload), 0, group=self.control)
+        if previous is not None:
+            dist.broadcast(previous.to(self.device, torch.int64).contiguous(), 0)
 
     def send_head(self, hidden: torch.Tensor) -> None:
         header = torch.tensor([_HEAD, *hidden.shape] + [0] * (_HEADER - 3))
@@ -75,7 +105,36 @@ class StepChannel:
         dist.broadcast(hidden.contiguous(), 0)
 
     def send_stop(self) -> None:
-        dist.broadcast(torch.tensor([_STOP] + [0] * (_HEADER - 1)), 0, group=self.control)
+        self._send(_STOP)
+
+    def _send(self, kind: int) -> None:
+        dist.broadcast(torch.tensor([kind] + [0] * (_HEADER - 1)), 0, group=self.control)
+
+    def ask_counts(self, own: GraphCounts) -> list[GraphCounts]:
+        """Every rank's `GraphCounts`, rank 0's (`own`) first: the workers answer at once."""
+        self._send(_REPORT)
+        return [GraphCounts(*row) for row in self._gather(own)]
+
+    def answer_counts(self, own: GraphCounts) -> None:
+        self._gather(own)
+
+    def _gather(self, own: GraphCounts) -> list[list[int]]:
+        rows = [torch.zeros(len(own), dtype=torch.int64)
+                for _ in range(dist.get_world_size(self.control))]
+        dist.all_gather(rows, torch.tensor(own, dtype=torch.int64), group=self.control)
+        return [r.tolist() for r in rows]
+
+    def all_agree(self, ok: bool) -> bool:
+        """Whether `ok` holds on every rank (each rank says its own; one MIN all-reduce)."""
+        flag = torch.tensor([int(ok)])
+        dist.all_reduce(flag, dist.ReduceOp.MIN, group=self.control)
+        return bool(flag)
+
+    def smallest(self, value: int) -> int:
+        """The smallest of every rank's `value`."""
+        least = torch.tensor([value])
+        dist.all_reduce(least, dist.ReduceOp.MIN, group=self.control)
+        return int(least)
 
     def receive(self, dtype: torch.dtype) -> StepCommand:
         header = torch.zeros(_HEADER, dtype=torch.int64)
@@ -87,11 +146,16 @@ class StepChannel:
             return StepCommand(kind, hidden=hidden)
         if kind != _STEP:
             return StepCommand(kind)
-        flat, rows, width = sizes[:_ARRAYS], sizes[_ARRAYS], sizes[_ARRAYS + 1]
+        flat, (rows, width, graph, previous_len) = sizes[:_ARRAYS], sizes[_ARRAYS:_ARRAYS + 4]
         payload = torch.empty(sum(flat) + rows * width, dtype=torch.int64)
         dist.broadcast(payload, 0, group=self.control)
         parts = np.split(payload.numpy(), np.cumsum(flat))
-        return StepCommand(kind, (*parts[:-1], parts[-1].reshape(rows, width)))
+        previous = None
+        if previous_len >= 0:
+            previous = torch.empty(previous_len, dtype=torch.int64, device=self.device)
+            dist.broadcast(previous, 0)
+        return StepCommand(kind, (*parts[:-1], parts[-1].reshape(rows, width)), graph=graph,
+                           previous=previous)
 
 
 class Rank(NamedTuple):
@@ -108,11 +172,15 @@ def _free_port() -> int:
 def join_group(rank: int, size: int, port: int, device: torch.device) -> Rank:
     """This process's place in the group: the model's collectives on NCCL (CUDA) or gloo, the
     step broadcasts on a gloo group."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
         torch.cuda.set_device(device)
+    # (on CUDA, `device_id` makes NCCL's communicator now, not at the first collective: a
+    # communicator cannot be created inside a graph's capture)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=COLLECTIVE_TIMEOUT)
+                            world_size=size, timeout=COLLECTIVE_TIMEOUT,
+                            device_id=device if cuda else None)
     control = dist.new_group(backend="gloo") if backend != "gloo" else None
     return Rank(TensorParallel(rank, size), StepChannel(control, device))
 
@@ -125,11 +193,13 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 class Workers:
     """Rank 0's view of the group: the worker processes, watched, and its own `Rank`."""
 
-    def __init__(self, config: EngineConfig, device: torch.device, problem: str | None,
+    def __init__(self, config: EngineConfig, platform: Platform, problem: str | None,
                  runner: Any) -> None:
         """`problem`: why the model cannot be split so (start-up error), or None; `runner`:
-        the class each worker runs (the `ModelRunner`, which imports this module)."""
+        the class each worker runs (the `ModelRunner`, which imports this module). Each worker
+        runs rank 0's `platform` (`Platform.ship`), on its own device."""
         size = config.tensor_parallel_size
+        device = platform.device
         if problem is not None:
             raise ValueError(problem)
         if device.type == "cuda" and torch.cuda.device_count() < size:
@@ -138,7 +208,9 @@ class Workers:
                              "(CUDA_VISIBLE_DEVICES)")
         port = _free_port()
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=worker_main, args=(runner, config, r, size, port),
+        shipped = platform.ship()
+        self.procs = [ctx.Process(target=worker_main,
+                                  args=(runner, config, shipped, r, size, port),
                                   name=f"tandem-tp-{r}", daemon=True) for r in range(1, size)]
         for p in self.procs:
             p.start()
@@ -175,18 +247,16 @@ class Workers:
             dist.destroy_process_group()
 
 
-def worker_main(runner: Callable[..., Any], config: EngineConfig, rank: int,
-                size: int, port: int) -> None:
+def worker_main(runner: Callable[..., Any], config: EngineConfig, shipped: ShippedPlatform,
+                rank: int, size: int, port: int) -> None:
     """A worker process: rank `rank` joins the group, builds its runner (`runner`, the
-    `ModelRunner` class) and serves rank 0's broadcasts until told to stop (or until rank 0 is
-    gone, which fails its next collective)."""
-    from engine_core.worker.platform import Platform
-
+    `ModelRunner` class) on rank 0's platform (`shipped`, on this rank's device) and serves
+    rank 0's broadcasts until told to stop (or until rank 0 is gone, which fails its next
+    collective)."""
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s tp-worker{rank}[{os.getpid()}] %(levelname)s "
                                "%(name)s: %(message)s")
-    platform = Platform.detect(config)
-    platform = replace(platform, device=rank_device(platform.device, rank))
+    platform = shipped.load(rank_device(shipped.platform.device, rank))
     platform.apply()
     joined = join_group(rank, size, port, platform.device)
     try:

@@ -4,6 +4,7 @@ CPU (its stand-in): what a step of B decodes writes into the persistent buffers.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -12,6 +13,7 @@ from engine_core.config import EngineConfig
 from engine_core.worker.cuda_graphs import (
     PENDING,
     GraphRunner,
+    capture_ladder,
     capture_sizes,
     reserve_bytes,
 )
@@ -98,3 +100,23 @@ def test_a_failed_capture_leaves_the_engine_eager(caplog):
     inputs = StepInputs(np.zeros(1, np.int64), np.ones(1, np.int64), np.zeros(1, np.int64),
                         none, none, StepRows(none, none, none, none, none))
     assert runner.size_for(inputs) is None
+
+
+def test_the_ranks_agree_after_every_graph_and_stop_together(caplog):
+    """Tensor parallelism: each graph captured is followed by the ranks' agreement, and a
+    failure another rank reports leaves this one without graphs, though its own captured."""
+    made: list[int] = []
+    said: list[bool] = []
+
+    def pieces(size: int) -> list[Callable[[], torch.Tensor]]:
+        return [lambda: (made.append(size), torch.zeros(size))[1] for _ in range(3)]
+
+    def other_rank_fails_at_the_fifth(ok: bool) -> bool:
+        said.append(ok)
+        return ok and len(said) < 5
+
+    ladder = capture_ladder((1, 2), pieces, True, "steps", other_rank_fails_at_the_fifth)
+    assert ladder == {} and said == [True] * 5 and made == [2, 2, 2, 1, 1]
+    assert "failed on another tensor-parallel rank" in caplog.text
+    everyone_ok = capture_ladder((1, 2), pieces, True, "steps", lambda ok: ok)
+    assert sorted(everyone_ok) == [1, 2] and all(len(g) == 3 for g in everyone_ok.values())

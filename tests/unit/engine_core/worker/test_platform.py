@@ -3,6 +3,8 @@ the environment passed in as a mapping."""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import shutil
 
 import pytest
@@ -67,3 +69,28 @@ def test_head_workers_every_core_only_when_torch_runs_on_one_thread():
 def test_torch_keeps_its_own_threads_on_a_gpu():
     assert thread_choices(EngineConfig(model="m"), torch.device("cuda")) == ()
     assert thread_choices(EngineConfig(model="m", num_threads=4), torch.device("cuda")) == (4,)
+
+
+def test_tensor_parallel_ranks_keep_graphs_and_overlap_but_sample_on_the_scan():
+    graphs = dataclasses.replace(Platform.detect(CPU, environ={"TANDEM_NATIVE": "0"}),
+                                 cuda_graph_sizes=(1, 2), piecewise_sizes=(8,),
+                                 async_scheduling=True, device_sampling=True)
+    rank = graphs.split(2)
+    assert (rank.cuda_graph_sizes, rank.piecewise_sizes) == ((1, 2), (8,))
+    assert rank.async_scheduling and not rank.device_sampling
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="no C compiler")
+def test_a_worker_gets_rank_zeros_platform_and_loads_its_own_kernels():
+    """What crosses to a spawned worker is picklable; the worker's platform equals rank 0's
+    (whatever rank 0 was given), with the compiled kernels loaded again where it had them."""
+    given = dataclasses.replace(Platform.detect(CPU), attention="cuda",
+                                cuda_graph_sizes=(1, 4), async_scheduling=True)
+    assert given.head_kernels is not None
+    shipped = pickle.loads(pickle.dumps(given.ship()))
+    worker = shipped.load(torch.device("cpu"))
+    assert worker == given and worker.head_kernels is not None
+    without = dataclasses.replace(given, head_kernels=None)
+    assert pickle.loads(pickle.dumps(without.ship())).load(torch.device("cpu")).head_kernels \
+        is None
