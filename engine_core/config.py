@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.messages import Pooling
 from shared.speculative import SpeculativeConfig
 
 
@@ -35,6 +36,8 @@ class EngineConfig:
     async_scheduling: bool | None = None  # overlapped steps; None: the platform's default
     speculative: SpeculativeConfig | None = None  # --speculative-config
     tensor_parallel_size: int = 1  # ranks the model is split over (worker/tensor_parallel.py)
+    runner: str = "generate"  # "pooling": embeddings only (--runner pooling --convert embed)
+    pooler: Pooling = Pooling()  # --pooler-config: embedding requests' default pooling
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
@@ -52,5 +55,7 @@ class EngineConfig:
                              "transformers")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner {self.runner!r}: generate or pooling")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: choose auto, cpu or cuda")

@@ -10,6 +10,7 @@ import argparse
 
 from shared.kv_events import FORMATS, KvEventsConfigError, parse_kv_events_config
 from shared.messages import MAX_LOGPROBS
+from shared.pooling import PoolerConfigError, check_runner, parse_pooler_config
 from shared.speculative import SpeculativeConfigError, parse_speculative_config
 
 _ENGINE_FLAGS = (
@@ -78,6 +79,18 @@ _ENGINE_FLAGS = (
         "type": int, "default": 1,
         "help": "ranks one model is split over (Megatron-style, on torch.distributed: one GPU "
                 "each on CUDA, gloo processes on the CPU); the engine is rank 0"}),
+    ("--runner", {
+        "default": "auto", "choices": ["auto", "generate", "pooling"],
+        "help": "pooling: serve the model as an embedding model (/v1/embeddings only, as "
+                "vLLM's); auto and generate: generation, and /v1/embeddings beside it"}),
+    ("--convert", {
+        "default": "auto", "choices": ["auto", "embed", "none"],
+        "help": "with --runner pooling: embed (auto's choice) pools a decoder's final hidden "
+                "states into embeddings; none only with the generate runner"}),
+    ("--pooler-config", {
+        "default": None,
+        "help": "how embeddings pool, vLLM's JSON: '{\"pooling_type\": \"LAST\", "
+                "\"normalize\": true}' (LAST, MEAN or CLS; default LAST, normalized)"}),
     ("--kv-events-config", {
         "default": None,
         "help": "publish the prefix cache's changes as vLLM's KV-cache events, for external "
@@ -150,6 +163,11 @@ def check_engine_args(args: argparse.Namespace) -> str | None:
             parse_speculative_config(args.speculative_config)
         except SpeculativeConfigError as exc:
             return str(exc)
+    try:
+        check_runner(args.runner, args.convert)
+        parse_pooler_config(args.pooler_config)
+    except PoolerConfigError as exc:
+        return str(exc)
     if args.kv_events_config is not None:
         try:
             parse_kv_events_config(args.kv_events_config)

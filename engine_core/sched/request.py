@@ -72,6 +72,13 @@ class Request:
         return self.params.max_tokens == 0
 
     @property
+    def pools_every_position(self) -> bool:
+        """A pooling request that reads every prompt position ("mean", "cls"): computed
+        whole, never from the prefix cache (engine_core/pooling.py)."""
+        pooling = self.params.pooling
+        return pooling is not None and pooling.kind != "last"
+
+    @property
     def masked(self) -> bool:
         """A grammar masks this request's next token: it is constrained and done thinking."""
         return self.grammar is not None and not self.thinking

@@ -157,6 +157,11 @@ class SchedulerOutput:
         """Whether an item's prompt positions are scored (prompt logprobs) this step."""
         return any(not s.request.prompt_logprobs_done for s in self.special.values())
 
+    @property
+    def pools(self) -> bool:
+        """Whether an item is a pooling request's prompt chunk (engine_core/pooling.py)."""
+        return any(s.request.params.pooling is not None for s in self.special.values())
+
     def prompts_done(self) -> list[Request]:
         """The prompt-only requests whose prompt this step completes."""
         return [s.request for s in self.special.values()
@@ -407,8 +412,10 @@ class Scheduler:
             self._rows_left -= num_new
 
     def _prefix_hits(self, req: Request) -> list[int]:
-        # Prompt logprobs need logits at every prompt position, so such prompts are computed whole.
-        if not self.blocks.enable_prefix_caching or not req.prompt_logprobs_done:
+        # Prompt logprobs need logits at every prompt position, so such prompts are computed
+        # whole; so are those pooled over every position.
+        if (not self.blocks.enable_prefix_caching or not req.prompt_logprobs_done
+                or req.pools_every_position):
             return []
         req.block_hashes = chain_hashes(req.all_token_ids, self.blocks.block_size, req.block_hashes)
         return self.blocks.lookup_prefix(req.all_token_ids, req.block_hashes)

@@ -69,6 +69,9 @@ class ModelFacts:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     sampling_defaults: tuple[tuple[str, int | float], ...] = ()  # per --generation-config
+    hidden_size: int = 0  # an embedding's width
+    # the widths an embedding may be cut to (a Matryoshka model's; empty: any), or None
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
 
 class KVShape(NamedTuple):
@@ -415,7 +418,17 @@ def _model_facts(config: EngineConfig, text: Any) -> ModelFacts:
         eos += _as_list(gen.eos_token_id)
     eos += [e for e in _as_list(text.eos_token_id) if e not in eos]
     return ModelFacts(int(max_len), int(text.vocab_size), tuple(eos), text.bos_token_id,
-                      sampling_defaults(config))
+                      sampling_defaults(config), int(getattr(text, "hidden_size", 0) or 0),
+                      _matryoshka(text))
+
+
+def _matryoshka(text: Any) -> tuple[int, ...] | None:
+    """The widths a Matryoshka embedding model may be cut to, as vLLM reads its config
+    (`matryoshka_dimensions`, or `is_matryoshka` for any width), or None."""
+    dims = getattr(text, "matryoshka_dimensions", None)
+    if dims:
+        return tuple(int(d) for d in dims)
+    return () if getattr(text, "is_matryoshka", False) else None
 
 
 def _generation_config(folder: str) -> GenerationConfig | None:
