@@ -157,3 +157,19 @@ async def test_generate_server_also_embeds_with_its_pooler(tiny_llama, tmp_path,
                                                           Pooling("mean")), atol=ATOL)
     finally:
         server.stop()
+
+
+def test_bench_serve_embeddings_mode(pooling_server, tiny_llama, tmp_path, capsys):
+    """`tandem bench serve --endpoint embeddings`: every prompt one embedding request, its
+    prompt tokens as the server counted them, vLLM's result file with its backend's name."""
+    from frontend.bench.__main__ import main
+
+    assert main(["serve", "--base-url", pooling_server.url, "--tokenizer", str(tiny_llama),
+                 "--endpoint", "embeddings", "--num-prompts", "12", "--random-input-len", "40",
+                 "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*.json")
+    result = json.loads(path.read_text())
+    assert (result["completed"], result["failed"], result["backend"]) == (
+        12, 0, "openai-embeddings")
+    assert result["total_output_tokens"] == 0 and result["total_input_tokens"] >= 12 * 40
+    assert "Request throughput" in capsys.readouterr().out
