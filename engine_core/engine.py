@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from engine_core.config import EngineConfig
+from engine_core.lora.manager import LoRAManager
 from engine_core.outputs import StepNews
 from engine_core.pooling import PoolChunk, Pooler, embedding_bytes, pool_positions, pooling_error
 from engine_core.sample.batch_builder import build_sampling_batch
@@ -105,10 +106,15 @@ class EngineCore:
         stop_rules = StopRules(frozenset(self.facts.eos_token_ids), self.max_model_len)
         self.grammars = GrammarCompiler(config.tokenizer or config.model, self.facts.vocab_size,
                                         self.facts.eos_token_ids, config.trust_remote_code)
+        lora = self.runner.lora
+        self.loras = (None if lora is None else LoRAManager(
+            config.lora_modules, lora, config.max_lora_rank,
+            config.max_cpu_loras or config.max_loras, lora.num_layers, self.runner.dtype))
         self.scheduler = Scheduler(self.blocks, self.platform.max_num_seqs,
                                    self.platform.max_num_batched_tokens,
                                    min_num_batched_tokens=self.platform.min_num_batched_tokens,
-                                   stop_rules=stop_rules, grammars=self.grammars)
+                                   stop_rules=stop_rules, grammars=self.grammars,
+                                   lora=None if self.loras is None else self.loras.admit)
         self.sampler: TokenSampler = (
             DeviceSampler(self.runner.head_weights, self.platform.host_link())
             if self.platform.device_sampling else Sampler(self.runner.head))
@@ -159,6 +165,9 @@ class EngineCore:
                                                  self.facts.matryoshka_dimensions)
         if bad_params is not None:
             return bad_params
+        if params.lora and (self.loras is None or not self.loras.knows(params.lora)):
+            return (f"The model `{params.lora}` does not exist (LoRA adapters: "
+                    f"{', '.join(m.name for m in self.config.lora_modules) or 'none'})")
         if self.config.runner == "pooling" and params.pooling is None:
             return "this server serves embeddings only (--runner pooling)"
         need = len(prompt) + (1 if params.max_tokens > 0 else 0)

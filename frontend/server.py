@@ -332,7 +332,7 @@ async def tokenizer_info(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    return json_response(ModelList([request.app[SERVED].card()]))
+    return json_response(ModelList(request.app[SERVED].cards()))
 
 
 async def health(request: web.Request) -> web.Response:

@@ -89,6 +89,16 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # them, and applies from the next token on. Empty: the grammar applies from the first token.
     reasoning_end: list[int] = []
     pooling: Pooling | None = None  # an embedding request: pooled, never sampled
+    lora: str | None = None  # the LoRA adapter it runs with (its name); None: the base model
+
+
+class LoRACard(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """A LoRA adapter the engine serves: the name requests give as their model, its folder,
+    and the base model it names (vLLM's base_model_name; None: the served model)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
 
 
 class Hello(_Wire, tag="hello"):
@@ -126,6 +136,9 @@ class Ready(_Wire, tag="ready"):
     pooler: Pooling = Pooling()
     hidden_size: int = 0
     matryoshka_dimensions: list[int] | None = None
+    # --enable-lora: the adapters requests may name (as their model), and --max-loras
+    lora_adapters: list[LoRACard] = []
+    max_loras: int = 0
 
 
 class AddRequest(_Wire, tag="add"):

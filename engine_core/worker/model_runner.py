@@ -34,6 +34,7 @@ from engine_core.layers.chunk_pool import ChunkPool
 from engine_core.layers.linear import prepare_linears
 from engine_core.layers.lm_head import LMHead
 from engine_core.layers.parallel import TensorParallel
+from engine_core.lora.slots import LoRASlots, token_slots
 from engine_core.sample.device_sampler import DeviceSampler, HeadWeights
 from engine_core.sched.scheduler import SchedulerOutput
 from engine_core.worker.cuda_graphs import GraphRunner, reserve_bytes
@@ -110,6 +111,13 @@ class ModelRunner:
         self.linear_pool = None if workers is None else ChunkPool(workers, "linears")
         linears = prepare_linears(self.decoder, platform.transposed_linears,
                                   platform.head_kernels, platform.decoder_panels, self.linear_pool)
+        self.lora: LoRASlots | None = None  # --enable-lora: the adapters' slots
+        if config.enable_lora:
+            if loaded.parts is None:
+                raise ValueError("--enable-lora needs Tandem's own model file (Llama, Qwen2, "
+                                 f"Qwen3); this model runs through {loaded.source}")
+            self.lora = LoRASlots(self.decoder, loaded.parts, config.max_loras,
+                                  config.max_lora_rank, self.dtype, self.device)
         head = loaded.head
         self.head = LMHead(head.weight, head.bias, head.softcap, kernels=platform.head_kernels,
                            workers=platform.head_workers, chunk=platform.head_chunk, tp=tp,
@@ -253,6 +261,9 @@ class ModelRunner:
         `previous`: the previous step's sampled tokens, on the device, where an overlapped
         step left placeholders for them (moved there if a host sampler made them)."""
         inputs = self.tables.inputs(sched)
+        if self.lora is not None:
+            self.lora.context.set(token_slots([r.lora_slot for r in sched.requests],
+                                              inputs.num_new))
         if previous is not None and previous.device != self.device:
             previous = previous.to(self.device, non_blocking=True)
         size = self.graphs.size_for(inputs) if self.graphs is not None else None

@@ -48,6 +48,7 @@ class EmbeddingPlan:
     inputs: list[list[int]]
     pooling: Pooling
     encoding: str
+    lora: str | None = None  # the LoRA adapter the request names as its model
 
 
 class ServingEmbeddings:
@@ -65,13 +66,14 @@ class ServingEmbeddings:
         vectors = await self.embed(plan)
         data = [EmbeddingData(i, _encoded(v, plan.encoding)) for i, v in enumerate(vectors)]
         tokens = sum(len(ids) for ids in plan.inputs)
-        return json_response(EmbeddingResponse(plan.id, plan.created, self.served.name, data,
+        return json_response(EmbeddingResponse(plan.id, plan.created,
+                                               plan.lora or self.served.name, data,
                                                EmbeddingUsage(tokens, tokens)))
 
     def read(self, body: bytes) -> EmbeddingPlan:
         """Decode, check and tokenize a request body; raises a 4xx."""
         req = decode_request(body, EmbeddingRequest)
-        self.served.check_model(req.model)
+        lora = self.served.adapter_of(req.model)
         if req.encoding_format not in ENCODINGS:
             raise bad_request(f"encoding_format {req.encoding_format!r}: float or base64",
                               "encoding_format")
@@ -80,7 +82,7 @@ class ServingEmbeddings:
                           self._dimensions(req.dimensions))
         inputs = [self._input_ids(x, req) for x in split_prompts(req.input, "input")]
         return EmbeddingPlan(f"embd-{uuid.uuid4().hex}", int(time.time()), inputs, pooling,
-                             req.encoding_format)
+                             req.encoding_format, lora)
 
     def _dimensions(self, dimensions: int | None) -> int:
         """A request's `dimensions` (0: the model's width), as vLLM allows it: only on a
@@ -124,7 +126,7 @@ class ServingEmbeddings:
 
     async def embed(self, plan: EmbeddingPlan) -> list[bytes]:
         """Every input's vector (float32 bytes), in input order; raises OpenAIError."""
-        params = SamplingParams(max_tokens=0, pooling=plan.pooling)
+        params = SamplingParams(max_tokens=0, pooling=plan.pooling, lora=plan.lora)
         streams: list[OutputStream] = []
         try:
             for i, ids in enumerate(plan.inputs):

@@ -77,6 +77,7 @@ class ModelCard(msgspec.Struct):
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
     owned_by: str = "tandem"
     object: Literal["model"] = "model"
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(msgspec.Struct):
