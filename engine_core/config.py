@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.lora import LoRAModule
+from shared.messages import Pooling
 from shared.speculative import SpeculativeConfig
 
 
@@ -35,6 +37,13 @@ class EngineConfig:
     async_scheduling: bool | None = None  # overlapped steps; None: the platform's default
     speculative: SpeculativeConfig | None = None  # --speculative-config
     tensor_parallel_size: int = 1  # ranks the model is split over (worker/tensor_parallel.py)
+    runner: str = "generate"  # "pooling": embeddings only (--runner pooling --convert embed)
+    pooler: Pooling = Pooling()  # --pooler-config: embedding requests' default pooling
+    enable_lora: bool = False  # --enable-lora: requests may name an adapter (engine_core/lora/)
+    lora_modules: tuple[LoRAModule, ...] = ()  # --lora-modules
+    max_loras: int = 1  # adapters on the device at once (vLLM's default)
+    max_lora_rank: int = 16  # vLLM's default
+    max_cpu_loras: int | None = None  # adapters kept in host memory; None: max_loras
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
@@ -52,5 +61,13 @@ class EngineConfig:
                              "transformers")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("--max-loras and --max-lora-rank must be at least 1")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora: not yet with --tensor-parallel-size above 1")
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner {self.runner!r}: generate or pooling")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: choose auto, cpu or cuda")

@@ -27,7 +27,9 @@ import numpy as np
 import torch
 
 from engine_core.config import EngineConfig
+from engine_core.lora.manager import LoRAManager
 from engine_core.outputs import StepNews
+from engine_core.pooling import PoolChunk, Pooler, embedding_bytes, pool_positions, pooling_error
 from engine_core.sample.batch_builder import build_sampling_batch
 from engine_core.sample.device_sampler import DeviceSampler
 from engine_core.sample.interface import PendingSample, SamplerOutput, TokenSampler
@@ -70,6 +72,7 @@ class _Launched(NamedTuple):
     rows: StepRows  # where its requests are in the runner's block table
     sampled: PendingSample
     prompt_logprobs: dict[str, Logprobs]
+    embeddings: dict[str, torch.Tensor]  # pooling prompts it completed, their vectors
     # the next step needs its tokens on the host (a grammar or penalties read them, it verified
     # drafts, or speculative decoding proposes from them): overlapped, it completes before
     # anything else is scheduled
@@ -103,15 +106,21 @@ class EngineCore:
         stop_rules = StopRules(frozenset(self.facts.eos_token_ids), self.max_model_len)
         self.grammars = GrammarCompiler(config.tokenizer or config.model, self.facts.vocab_size,
                                         self.facts.eos_token_ids, config.trust_remote_code)
+        lora = self.runner.lora
+        self.loras = (None if lora is None else LoRAManager(
+            config.lora_modules, lora, config.max_lora_rank,
+            config.max_cpu_loras or config.max_loras, lora.num_layers, self.runner.dtype))
         self.scheduler = Scheduler(self.blocks, self.platform.max_num_seqs,
                                    self.platform.max_num_batched_tokens,
                                    min_num_batched_tokens=self.platform.min_num_batched_tokens,
-                                   stop_rules=stop_rules, grammars=self.grammars)
+                                   stop_rules=stop_rules, grammars=self.grammars,
+                                   lora=None if self.loras is None else self.loras.admit)
         self.sampler: TokenSampler = (
             DeviceSampler(self.runner.head_weights, self.platform.host_link())
             if self.platform.device_sampling else Sampler(self.runner.head))
         self.generator = torch.Generator().manual_seed(config.seed)  # unseeded requests' draws
         self.prompt_logprobs = PromptLogprobsAccumulator()
+        self.pooler = Pooler()
         self.async_scheduling = self.platform.async_scheduling
         self.proposer = _proposer(config)
         spec = config.speculative
@@ -152,8 +161,15 @@ class EngineCore:
             return f"request id {request_id!r} is already running"
         bad_params = params_error(params, self.facts.vocab_size,
                                   self.config.max_logprobs or MAX_LOGPROBS)
+        bad_params = bad_params or pooling_error(params, self.facts.hidden_size,
+                                                 self.facts.matryoshka_dimensions)
         if bad_params is not None:
             return bad_params
+        if params.lora and (self.loras is None or not self.loras.knows(params.lora)):
+            return (f"The model `{params.lora}` does not exist (LoRA adapters: "
+                    f"{', '.join(m.name for m in self.config.lora_modules) or 'none'})")
+        if self.config.runner == "pooling" and params.pooling is None:
+            return "this server serves embeddings only (--runner pooling)"
         need = len(prompt) + (1 if params.max_tokens > 0 else 0)
         if need > self.max_model_len:
             return (f"the prompt has {len(prompt)} tokens; this model's maximum context length "
@@ -169,6 +185,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, reason)
         for rid in request_ids:
             self.prompt_logprobs.drop(rid)
+            self.pooler.drop(rid)
 
     def take_refusals(self) -> dict[bytes, StepOutputs]:
         """The refusals queued since the last step, for each frontend, to send at once: a
@@ -241,8 +258,9 @@ class EngineCore:
         return outputs
 
     def _drop_preempted(self, preempted: list[Request]) -> None:
-        for req in preempted:  # its prompt is computed, and scored, again
+        for req in preempted:  # its prompt is computed, and scored (or pooled), again
             self.prompt_logprobs.drop(req.request_id)
+            self.pooler.drop(req.request_id)
         self.runner.release(preempted)
 
     def _launch(self, sched: SchedulerOutput, previous: _Launched | None) -> _Launched:
@@ -258,12 +276,13 @@ class EngineCore:
             sampled = self._sample(batch, hidden[plan.num_prompt_rows:])
             prompt_lps = (self.prompt_logprobs.score_step(self.runner.head, plan.prompts, hidden)
                           if plan.prompts else {})
+            embeddings = self.pooler.pool_step(plan.pools, hidden) if plan.pools else {}
         blocking = batch.reads_outputs or bool(sched.num_drafts) or self._speculating()
         if blocking and self.async_scheduling and not self._said_blocking:
             self._said_blocking = True  # e.g. a model whose defaults set repetition_penalty
             log.info("a step with a grammar, a penalty over the output or speculative decoding: "
                      "the next step waits for its tokens (no overlap for such steps)")
-        return _Launched(sched, samplers, batch, rows, sampled, prompt_lps, blocking)
+        return _Launched(sched, samplers, batch, rows, sampled, prompt_lps, embeddings, blocking)
 
     def _speculating(self) -> bool:
         """Whether the requests that sample now may have drafts proposed after this step:
@@ -299,7 +318,7 @@ class EngineCore:
                                      verified.counts - drafts.counts - 1)
         _add_sampled(news, step.samplers, step.batch, sampled, finished, step.sched.appended,
                      verified)
-        _add_prompt_only(news, step.sched, finished)
+        _add_prompt_only(news, step.sched, finished, step.embeddings)
         _attach_prompt_logprobs(news, step.prompt_logprobs)
         if self.proposer is not None and (step.blocking or not self.async_scheduling):
             self._propose(step.samplers)  # (an overlapped step's successor is queued already)
@@ -380,6 +399,7 @@ class EngineCore:
         self.scheduler.finish_requests(ids, FinishReason.ERROR)
         for req in victims:
             self.prompt_logprobs.drop(req.request_id)
+            self.pooler.drop(req.request_id)
             news.add_finish(req.request_id, req.owner, FinishReason.ERROR, message=message)
 
     # -- introspection ----------------------------------------------------------------------
@@ -405,13 +425,14 @@ class EngineCore:
 
 
 class _RowPlan(NamedTuple):
-    """Which rows of the packed batch need hidden states: every prompt-logprob row first (a
-    `PromptChunk` per item whose prompt is scored; none when no prompt is), then one row per
-    sampling request, in order."""
+    """Which rows of the packed batch need hidden states: every prompt row first (a
+    `PromptChunk` per item whose prompt is scored, a `PoolChunk` per pooling item; none when
+    no prompt is scored or pooled), then one row per sampling request, in order."""
 
     keep: np.ndarray
     prompts: list[PromptChunk]
     num_prompt_rows: int
+    pools: tuple[PoolChunk, ...] = ()
 
 
 def _plan_rows(sched: SchedulerOutput) -> _RowPlan:
@@ -421,12 +442,21 @@ def _plan_rows(sched: SchedulerOutput) -> _RowPlan:
     if sched.num_drafts:  # a request verifying k drafts: its last k + 1 rows, in order
         k = sched.draft_counts()
         sample_rows = _runs(sample_rows - k, k + 1)
-    if not sched.scores_prompts:
+    if not sched.scores_prompts and not sched.pools:
         return _RowPlan(sample_rows, [], 0)
     prompt_keep: list[int] = []
     prompts = []
+    pools = []
     for s, end in zip(sched.scheduled, ends.tolist()):
         req, offset = s.request, end - s.num_new
+        pooling = req.params.pooling
+        if pooling is not None:
+            lo = len(prompt_keep)
+            prompt_keep.extend(offset + p for p in pool_positions(
+                pooling.kind, s.start, s.num_new, req.num_prompt_tokens))
+            pools.append(PoolChunk(req.request_id, lo, len(prompt_keep), pooling,
+                                   req.num_prompt_tokens, s.completes_prompt))
+            continue
         if req.prompt_logprobs_done:
             continue
         lo = len(prompt_keep)
@@ -437,7 +467,7 @@ def _plan_rows(sched: SchedulerOutput) -> _RowPlan:
         prompts.append(PromptChunk(req.request_id, lo, lo + n, targets,
                                    req.params.prompt_logprobs or 0, s.completes_prompt))
     keep = np.concatenate([np.asarray(prompt_keep, dtype=np.int64), sample_rows])
-    return _RowPlan(keep, prompts, len(prompt_keep))
+    return _RowPlan(keep, prompts, len(prompt_keep), tuple(pools))
 
 
 def _runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -527,11 +557,16 @@ def _add_sampled(news: StepNews, samplers: list[Request], batch: SamplingBatch,
                 news.finish(row, stop.reason, stop.stop_token_id)
 
 
-def _add_prompt_only(news: StepNews, sched: SchedulerOutput, finished: dict[str, Stop]) -> None:
-    """A finish row per prompt-only request whose prompt this step completed."""
+def _add_prompt_only(news: StepNews, sched: SchedulerOutput, finished: dict[str, Stop],
+                     embeddings: dict[str, torch.Tensor]) -> None:
+    """A finish row per prompt-only request whose prompt this step completed (with its
+    vector, a pooling request's)."""
     for req in sched.prompts_done():
-        if req.request_id in finished:
-            news.add_finish(req.request_id, req.owner, finished[req.request_id].reason)
+        rid = req.request_id
+        if rid in finished:
+            vector = embeddings.get(rid)
+            news.add_finish(rid, req.owner, finished[rid].reason,
+                            embedding=b"" if vector is None else embedding_bytes(vector))
 
 
 def _attach_prompt_logprobs(news: StepNews, done: dict[str, Logprobs]) -> None:

@@ -12,7 +12,9 @@ from shared.argv import ConfigFileError, normalize
 from shared.curve import CurveKeyError, open_engine_refusal, server_keys
 from shared.engine_args import add_engine_args, check_engine_args
 from shared.kv_events import parse_kv_events_config
-from shared.messages import Ready
+from shared.lora import parse_lora_modules
+from shared.messages import LoRACard, Ready
+from shared.pooling import check_runner, parse_pooler_config
 from shared.speculative import parse_speculative_config
 
 if TYPE_CHECKING:  # the engine's modules import torch: only once the arguments are parsed
@@ -92,7 +94,12 @@ def main(argv: list[str] | None = None) -> int:
             speculative=(None if args.speculative_config is None
                          else parse_speculative_config(args.speculative_config)),
             cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
-            tensor_parallel_size=args.tensor_parallel_size)
+            tensor_parallel_size=args.tensor_parallel_size,
+            runner=check_runner(args.runner, args.convert),
+            pooler=parse_pooler_config(args.pooler_config),
+            enable_lora=args.enable_lora, lora_modules=parse_lora_modules(args.lora_modules),
+            max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=args.max_cpu_loras)
         core = EngineCore(config)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"tandem engine: cannot start: {e}", file=sys.stderr)
@@ -114,7 +121,13 @@ def ready_message(config: EngineConfig, facts: ModelFacts, rank: int = 0) -> Rea
                  sampling_defaults=dict(facts.sampling_defaults), data_parallel_rank=rank,
                  block_size=config.block_size,
                  num_speculative_tokens=(config.speculative.num_speculative_tokens
-                                         if config.speculative else 0))
+                                         if config.speculative else 0),
+                 runner=config.runner, pooler=config.pooler, hidden_size=facts.hidden_size,
+                 matryoshka_dimensions=(None if facts.matryoshka_dimensions is None
+                                        else list(facts.matryoshka_dimensions)),
+                 lora_adapters=[LoRACard(m.name, m.path, m.base_model_name)
+                                for m in config.lora_modules],
+                 max_loras=config.max_loras if config.enable_lora else 0)
 
 
 if __name__ == "__main__":

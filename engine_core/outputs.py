@@ -39,10 +39,12 @@ class StepNews:
         self._add(request_ids, owners, token_ids, lp_rows, lp_k)
 
     def add_finish(self, request_id: str, owner: bytes, reason: FinishReason,
-                   stop_token_id: int | None = None, message: str | None = None) -> None:
-        """A row with no token, only a finish (a refusal, a prompt-only request)."""
+                   stop_token_id: int | None = None, message: str | None = None,
+                   embedding: bytes = b"") -> None:
+        """A row with no token, only a finish (a refusal, a prompt-only request, with its
+        `embedding` if it pooled)."""
         self._add([request_id], [owner], *(np.full(1, -1, np.int64) for _ in range(3)))
-        self._finished[len(self) - 1] = Finished(0, reason, stop_token_id, message)
+        self._finished[len(self) - 1] = Finished(0, reason, stop_token_id, message, embedding)
 
     def finish(self, row: int, reason: FinishReason, stop_token_id: int | None = None) -> None:
         self._finished[row] = Finished(0, reason, stop_token_id)
@@ -76,12 +78,12 @@ class StepNews:
     def _pack(self, rows: np.ndarray, tokens: np.ndarray, lp_rows: np.ndarray,
               lp_k: np.ndarray) -> StepOutputs:
         if len(rows) == len(self.request_ids):  # every row (one frontend): indices as they are
-            finished = [Finished(r, f.reason, f.stop_token_id, f.message)
+            finished = [Finished(r, f.reason, f.stop_token_id, f.message, f.embedding)
                         for r, f in self._finished.items()]
             prompts = dict(self._prompt_logprobs)
         else:
             local = {int(row): i for i, row in enumerate(rows)}
-            finished = [Finished(local[r], f.reason, f.stop_token_id, f.message)
+            finished = [Finished(local[r], f.reason, f.stop_token_id, f.message, f.embedding)
                         for r, f in self._finished.items() if r in local]
             prompts = {local[r]: lps for r, lps in self._prompt_logprobs.items() if r in local}
         ks = lp_k[rows]

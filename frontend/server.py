@@ -44,6 +44,7 @@ from frontend.memory import settle_gc
 from frontend.metrics import CONTENT_TYPE, render
 from frontend.openai.chat.endpoint import ServingChat
 from frontend.openai.completions.endpoint import ServingCompletions
+from frontend.openai.embeddings.endpoint import ServingEmbeddings
 from frontend.openai.protocol.base import ModelList
 from frontend.openai.reasoning.outputs import ReasoningConfig
 from frontend.openai.responses.endpoint import ServingResponses
@@ -130,6 +131,7 @@ COMPLETIONS = web.AppKey("completions", ServingCompletions)
 CHAT = web.AppKey("chat", ServingChat)
 RESPONSES = web.AppKey("responses", ServingResponses)
 TOKENS = web.AppKey("tokens", ServingTokens)
+EMBEDDINGS = web.AppKey("embeddings", ServingEmbeddings)
 TRIMMER = web.AppKey("trimmer", MemoryTrimmer)
 FRONTEND_ID = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -150,6 +152,7 @@ def init_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)
@@ -204,6 +207,7 @@ async def engine_context(
         app[RESPONSES] = ServingResponses(client, served, config.tool_call_parser, reasoning,
                                           store)
         app[TOKENS] = ServingTokens(served, ready.tokenizer)
+        app[EMBEDDINGS] = ServingEmbeddings(client, served, ready)
         logger.info(
             "engine at %s ready: model %s, max_model_len %d%s",
             config.engine_address,
@@ -290,15 +294,29 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    generates(request, "Completions")
     return await request.app[COMPLETIONS].handle(request)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    generates(request, "Chat Completions")
     return await request.app[CHAT].handle(request)
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
+    generates(request, "Responses")
     return await request.app[RESPONSES].handle(request)
+
+
+def generates(request: web.Request, api: str) -> None:
+    """An embedding server (--runner pooling) answers generation APIs with a 400, as vLLM's."""
+    if request.app[ENGINE].ready.runner == "pooling":
+        raise bad_request(f"The model does not support {api} API: this server serves "
+                          "embeddings (--runner pooling); use /v1/embeddings.")
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    return await request.app[EMBEDDINGS].handle(request)
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -314,7 +332,7 @@ async def tokenizer_info(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    return json_response(ModelList([request.app[SERVED].card()]))
+    return json_response(ModelList(request.app[SERVED].cards()))
 
 
 async def health(request: web.Request) -> web.Response:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 
 from shared.kv_events import FORMATS, KvEventsConfigError, parse_kv_events_config
+from shared.lora import LoRAModulesError, parse_lora_modules
 from shared.messages import MAX_LOGPROBS
+from shared.pooling import PoolerConfigError, check_runner, parse_pooler_config
 from shared.speculative import SpeculativeConfigError, parse_speculative_config
 
 _ENGINE_FLAGS = (
@@ -78,6 +80,35 @@ _ENGINE_FLAGS = (
         "type": int, "default": 1,
         "help": "ranks one model is split over (Megatron-style, on torch.distributed: one GPU "
                 "each on CUDA, gloo processes on the CPU); the engine is rank 0"}),
+    ("--runner", {
+        "default": "auto", "choices": ["auto", "generate", "pooling"],
+        "help": "pooling: serve the model as an embedding model (/v1/embeddings only, as "
+                "vLLM's); auto and generate: generation, and /v1/embeddings beside it"}),
+    ("--convert", {
+        "default": "auto", "choices": ["auto", "embed", "none"],
+        "help": "with --runner pooling: embed (auto's choice) pools a decoder's final hidden "
+                "states into embeddings; none only with the generate runner"}),
+    ("--pooler-config", {
+        "default": None,
+        "help": "how embeddings pool, vLLM's JSON: '{\"pooling_type\": \"LAST\", "
+                "\"normalize\": true}' (LAST, MEAN or CLS; default LAST, normalized)"}),
+    ("--enable-lora", {
+        "action": "store_true",
+        "help": "serve LoRA adapters (peft's format) on the base model: a request names one "
+                "as its model; rows of several adapters and the base model share a batch"}),
+    ("--lora-modules", {
+        "nargs": "+", "default": None, "metavar": "NAME=PATH",
+        "help": "the adapters, vLLM's forms: name=path, or JSON '{\"name\": ..., "
+                "\"path\": ..., \"base_model_name\": ...}'"}),
+    ("--max-loras", {
+        "type": int, "default": 1,
+        "help": "adapters on the device at once; a request whose adapter has no slot waits"}),
+    ("--max-lora-rank", {
+        "type": int, "default": 16, "help": "the largest adapter rank served"}),
+    ("--max-cpu-loras", {
+        "type": int, "default": None,
+        "help": "adapters kept in host memory (default: --max-loras), the rest read again "
+                "from their folder when needed"}),
     ("--kv-events-config", {
         "default": None,
         "help": "publish the prefix cache's changes as vLLM's KV-cache events, for external "
@@ -150,6 +181,19 @@ def check_engine_args(args: argparse.Namespace) -> str | None:
             parse_speculative_config(args.speculative_config)
         except SpeculativeConfigError as exc:
             return str(exc)
+    if args.lora_modules and not args.enable_lora:
+        return "--lora-modules needs --enable-lora"
+    if args.enable_lora and args.tensor_parallel_size > 1:
+        return "--enable-lora: not yet with --tensor-parallel-size above 1"
+    try:
+        parse_lora_modules(args.lora_modules)
+    except LoRAModulesError as exc:
+        return str(exc)
+    try:
+        check_runner(args.runner, args.convert)
+        parse_pooler_config(args.pooler_config)
+    except PoolerConfigError as exc:
+        return str(exc)
     if args.kv_events_config is not None:
         try:
             parse_kv_events_config(args.kv_events_config)

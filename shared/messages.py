@@ -51,6 +51,19 @@ class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     any_whitespace: bool = True
 
 
+class Pooling(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """An embedding request (/v1/embeddings): its prompt's final hidden states pooled into one
+    vector, and nothing sampled (the request is prompt-only, `max_tokens` 0).
+
+    `kind`: "last" (the last token's state), "mean" (every token's, averaged) or "cls" (the
+    first token's); `dimensions` > 0 keeps the vector's first that many entries (a Matryoshka
+    model's), before `normalize` scales it to unit length."""
+
+    kind: str = "last"
+    normalize: bool = True
+    dimensions: int = 0
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What the engine needs to sample one request. Text-level options (stop strings,
     detokenization) stay in the frontend."""
@@ -75,6 +88,17 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # of the end-of-thinking marker. The grammar masks nothing until the output first ends with
     # them, and applies from the next token on. Empty: the grammar applies from the first token.
     reasoning_end: list[int] = []
+    pooling: Pooling | None = None  # an embedding request: pooled, never sampled
+    lora: str | None = None  # the LoRA adapter it runs with (its name); None: the base model
+
+
+class LoRACard(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """A LoRA adapter the engine serves: the name requests give as their model, its folder,
+    and the base model it names (vLLM's base_model_name; None: the served model)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
 
 
 class Hello(_Wire, tag="hello"):
@@ -104,6 +128,17 @@ class Ready(_Wire, tag="ready"):
     # --speculative-config's num_speculative_tokens); 0 when the engine does not speculate.
     # The frontends publish vLLM's spec_decode counters, one per position, only when it is set.
     num_speculative_tokens: int = 0
+    # Embeddings (/v1/embeddings): "generate" (the default runner also embeds) or "pooling"
+    # (--runner pooling: embeddings only, as vLLM's); the pooler's defaults (--pooler-config);
+    # the vector's width (the model's hidden size); the Matryoshka widths the model allows
+    # `dimensions` to ask for (None: it is not a Matryoshka model; empty: any width).
+    runner: str = "generate"
+    pooler: Pooling = Pooling()
+    hidden_size: int = 0
+    matryoshka_dimensions: list[int] | None = None
+    # --enable-lora: the adapters requests may name (as their model), and --max-loras
+    lora_adapters: list[LoRACard] = []
+    max_loras: int = 0
 
 
 class AddRequest(_Wire, tag="add"):
@@ -222,6 +257,7 @@ class Finished(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     reason: FinishReason
     stop_token_id: int | None = None  # set when a stop_token_ids entry ended it
     message: str | None = None  # for "error": why the engine refused the request
+    embedding: bytes = b""  # float32 [d]: a pooling request's vector, on its finish row
 
 
 class StepOutputs(_Wire, tag="out"):

@@ -135,11 +135,12 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def lookup_prefix(self, token_ids: Sequence[int], hashes: Sequence[int]) -> list[int]:
+    def lookup_prefix(self, token_ids: Sequence[int], hashes: Sequence[int],
+                      root: int = ROOT_PARENT) -> list[int]:
         """Cached blocks for the longest cached prefix, leaving at least one token to compute."""
         max_blocks = (len(token_ids) - 1) // self.block_size
         found: list[int] = []
-        parent = ROOT_PARENT
+        parent = root
         for i in range(min(max_blocks, len(hashes))):
             start = i * self.block_size
             block = self._cached.get(block_key(parent, token_ids[start:start + self.block_size]))
@@ -183,7 +184,8 @@ class BlockManager:
         self._free.push(freed)
 
     def cache_full_blocks(self, blocks: Sequence[int], token_ids: Sequence[int],
-                          hashes: list[int], num_computed: int, already: int) -> int:
+                          hashes: list[int], num_computed: int, already: int,
+                          root: int = ROOT_PARENT) -> int:
         """Publish blocks [already, num_computed // block_size) in the prefix cache, `hashes`
         (the chain over `token_ids`' full blocks) extended in place as far as it needs: each
         block's tokens are packed once, for its hash and its key.
@@ -195,11 +197,11 @@ class BlockManager:
         bs = self.block_size
         upto = num_computed // bs
         if len(hashes) < already:
-            hashes[:] = chain_hashes(token_ids[:already * bs], bs, hashes)
+            hashes[:] = chain_hashes(token_ids[:already * bs], bs, hashes, root)
         stored: list[int] = []  # the blocks of this call that are newly cached
         cached, key_of = self._cached, self._key_of
         for i in range(already, upto):
-            parent = hashes[i - 1] if i else ROOT_PARENT
+            parent = hashes[i - 1] if i else root
             key = block_key(parent, token_ids[i * bs:(i + 1) * bs])
             if i == len(hashes):
                 hashes.append(block_hash(*key))

@@ -6,6 +6,7 @@ import enum
 
 from engine_core.sample.batch_builder import RequestSampling
 from engine_core.structured.grammar import RequestGrammar
+from shared.block_hash import root_parent
 from shared.messages import SamplingParams
 
 PLACEHOLDER = -1  # the id of a token not known yet (Request.placeholder_row)
@@ -54,6 +55,10 @@ class Request:
         self.drafts: list[int] = []
         # a draft model's K/V is in place below this position (engine_core/worker/drafter.py)
         self.draft_computed = 0
+        # the device slot its LoRA adapter holds while it runs (-1: the base model), set when
+        # the scheduler starts it (engine_core/lora/manager.py)
+        self.lora_slot = -1
+        self.hash_root = root_parent(params.lora)  # its prefix-cache chain's seed
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -70,6 +75,13 @@ class Request:
     @property
     def prefill_only(self) -> bool:
         return self.params.max_tokens == 0
+
+    @property
+    def pools_every_position(self) -> bool:
+        """A pooling request that reads every prompt position ("mean", "cls"): computed
+        whole, never from the prefix cache (engine_core/pooling.py)."""
+        pooling = self.params.pooling
+        return pooling is not None and pooling.kind != "last"
 
     @property
     def masked(self) -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +35,9 @@ from engine_core.sched.request import Request, Status
 from engine_core.sched.stop_rules import Stop, StopRules
 from engine_core.structured.grammar import GrammarCompiler
 from shared.messages import FinishReason
+
+# (a request's adapter name or None, the slots running requests hold) -> its slot, or None
+LoRAAdmit = Callable[[str | None, list[int]], int | None]
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +160,11 @@ class SchedulerOutput:
         """Whether an item's prompt positions are scored (prompt logprobs) this step."""
         return any(not s.request.prompt_logprobs_done for s in self.special.values())
 
+    @property
+    def pools(self) -> bool:
+        """Whether an item is a pooling request's prompt chunk (engine_core/pooling.py)."""
+        return any(s.request.params.pooling is not None for s in self.special.values())
+
     def prompts_done(self) -> list[Request]:
         """The prompt-only requests whose prompt this step completes."""
         return [s.request for s in self.special.values()
@@ -180,19 +188,24 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_prompt_logprob_rows: int | None = None,
                  min_num_batched_tokens: int | None = None, *, stop_rules: StopRules,
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None,
+                 lora: LoRAAdmit | None = None) -> None:
         """With `min_num_batched_tokens` the step budget adapts: a quarter of the prompt tokens
         waiting to be computed, between that floor and `max_num_batched_tokens`. A burst of
         prompts is then cleared in about four steps (its median request has its first token
         after about two), while a trickle of arrivals gets small, quick steps. `stop_rules`
         decide when a request that sampled a token is done; `grammars` compiles the constraints
-        of structured outputs (without it, a constrained request is refused)."""
+        of structured outputs (without it, a constrained request is refused). `lora` gives a
+        request about to start the device slot of its adapter, or None when every slot is
+        held by running requests' adapters: the request then waits and the ones behind it
+        may start (engine_core/lora/manager.py)."""
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.min_num_batched_tokens = min_num_batched_tokens
         self.stop_rules = stop_rules
         self.grammars = grammars
+        self.lora = lora
         self.compiling: list[Request] = []  # waiting requests whose grammar is not ready yet
         self.refused: list[tuple[Request, str]] = []  # taken by take_refused(), with the reason
         # Prompt positions that need logprobs each cost a full-vocabulary LM-head row (orders
@@ -364,17 +377,26 @@ class Scheduler:
             if error is not None:
                 self._refuse(req, error)
 
-    def _next_waiting(self) -> Request | None:
-        """The oldest waiting request that can run: one still compiling its grammar is passed."""
-        if not self.compiling:
+    def _next_waiting(self, passed: set[int]) -> Request | None:
+        """The oldest waiting request that can run: one still compiling its grammar is passed,
+        and so is one in `passed` (ids: its adapter has no slot this step)."""
+        if not self.compiling and not passed:
             return self.waiting[0] if self.waiting else None
-        return next((r for r in self.waiting if r not in self.compiling), None)
+        return next((r for r in self.waiting
+                     if r not in self.compiling and id(r) not in passed), None)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        passed: set[int] = set()
         while budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self._next_waiting()
+            req = self._next_waiting(passed)
             if req is None:
                 break
+            if self.lora is not None:
+                slot = self.lora(req.params.lora, [r.lora_slot for r in self.running])
+                if slot is None:
+                    passed.add(id(req))
+                    continue
+                req.lora_slot = slot
             hits = self._prefix_hits(req)
             num_computed = len(hits) * self.blocks.block_size
             num_new = self._cap_rows(req, min(req.num_tokens - num_computed, budget))
@@ -407,11 +429,14 @@ class Scheduler:
             self._rows_left -= num_new
 
     def _prefix_hits(self, req: Request) -> list[int]:
-        # Prompt logprobs need logits at every prompt position, so such prompts are computed whole.
-        if not self.blocks.enable_prefix_caching or not req.prompt_logprobs_done:
+        # Prompt logprobs need logits at every prompt position, so such prompts are computed
+        # whole; so are those pooled over every position.
+        if (not self.blocks.enable_prefix_caching or not req.prompt_logprobs_done
+                or req.pools_every_position):
             return []
-        req.block_hashes = chain_hashes(req.all_token_ids, self.blocks.block_size, req.block_hashes)
-        return self.blocks.lookup_prefix(req.all_token_ids, req.block_hashes)
+        req.block_hashes = chain_hashes(req.all_token_ids, self.blocks.block_size,
+                                        req.block_hashes, req.hash_root)
+        return self.blocks.lookup_prefix(req.all_token_ids, req.block_hashes, req.hash_root)
 
     # -- after the step ---------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput,
@@ -570,7 +595,7 @@ class Scheduler:
             return
         req.num_published_blocks = self.blocks.cache_full_blocks(
             req.block_ids, req.all_token_ids, req.block_hashes, req.num_computed_tokens,
-            req.num_published_blocks)
+            req.num_published_blocks, req.hash_root)
 
 
 def _grammar_stop(req: Request, token: int, stop: Stop | None) -> Stop | None:

@@ -26,7 +26,7 @@ from engine_core.config import EngineConfig
 from engine_core.layers import attention, attention_cuda
 from engine_core.layers.parallel import TensorParallel
 from engine_core.models import model_class
-from engine_core.models.parts import ModelKit
+from engine_core.models.parts import ModelKit, Part
 from engine_core.models.weights import checkpoint_files, load_model, local_folder
 from engine_core.worker.platform import AttentionBackend, Platform
 
@@ -53,6 +53,7 @@ class Loaded(NamedTuple):
     head: Head
     pieces: Any | None
     source: str
+    parts: dict[str, Part] | None = None  # Tandem's files: the merged products' parts
 
 
 class HFDecoder(nn.Module):
@@ -86,7 +87,7 @@ def load(config: EngineConfig, hf_config: Any, platform: Platform, max_model_len
                          max_model_len)
         return Loaded(own.model, Head(own.head_weight, None, None), own.model,
                       f"Tandem's {cls.__module__.rsplit('.', 1)[-1]}.py with "
-                      f"{type(kit.ops).__name__}")
+                      f"{type(kit.ops).__name__}", own.packed())
     model: Any = AutoModelForCausalLM.from_pretrained(
         config.model, config=hf_config, dtype=platform.dtype,
         attn_implementation=ATTENTION_NAMES[platform.attention],

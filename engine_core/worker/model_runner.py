@@ -34,6 +34,7 @@ from engine_core.layers.chunk_pool import ChunkPool
 from engine_core.layers.linear import prepare_linears
 from engine_core.layers.lm_head import LMHead
 from engine_core.layers.parallel import TensorParallel
+from engine_core.lora.slots import LoRASlots, token_slots
 from engine_core.sample.device_sampler import DeviceSampler, HeadWeights
 from engine_core.sched.scheduler import SchedulerOutput
 from engine_core.worker.cuda_graphs import Agreement, GraphRunner, reserve_bytes
@@ -69,6 +70,9 @@ class ModelFacts:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     sampling_defaults: tuple[tuple[str, int | float], ...] = ()  # per --generation-config
+    hidden_size: int = 0  # an embedding's width
+    # the widths an embedding may be cut to (a Matryoshka model's; empty: any), or None
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
 
 class KVShape(NamedTuple):
@@ -107,6 +111,13 @@ class ModelRunner:
         self.linear_pool = None if workers is None else ChunkPool(workers, "linears")
         linears = prepare_linears(self.decoder, platform.transposed_linears,
                                   platform.head_kernels, platform.decoder_panels, self.linear_pool)
+        self.lora: LoRASlots | None = None  # --enable-lora: the adapters' slots
+        if config.enable_lora:
+            if loaded.parts is None:
+                raise ValueError("--enable-lora needs Tandem's own model file (Llama, Qwen2, "
+                                 f"Qwen3); this model runs through {loaded.source}")
+            self.lora = LoRASlots(self.decoder, loaded.parts, config.max_loras,
+                                  config.max_lora_rank, self.dtype, self.device)
         head = loaded.head
         self.head = LMHead(head.weight, head.bias, head.softcap, kernels=platform.head_kernels,
                            workers=platform.head_workers, chunk=platform.head_chunk, tp=tp,
@@ -260,6 +271,9 @@ class ModelRunner:
         step left placeholders for them (moved there if a host sampler made them). Under
         tensor parallelism the step goes to the workers first (`_send_step`)."""
         inputs = self.tables.inputs(sched)
+        if self.lora is not None:
+            self.lora.context.set(token_slots([r.lora_slot for r in sched.requests],
+                                              inputs.num_new))
         if previous is not None and previous.device != self.device:
             previous = previous.to(self.device, non_blocking=True)
         size = self.graphs.size_for(inputs) if self.graphs is not None else None
@@ -445,7 +459,17 @@ def _model_facts(config: EngineConfig, text: Any) -> ModelFacts:
         eos += _as_list(gen.eos_token_id)
     eos += [e for e in _as_list(text.eos_token_id) if e not in eos]
     return ModelFacts(int(max_len), int(text.vocab_size), tuple(eos), text.bos_token_id,
-                      sampling_defaults(config))
+                      sampling_defaults(config), int(getattr(text, "hidden_size", 0) or 0),
+                      _matryoshka(text))
+
+
+def _matryoshka(text: Any) -> tuple[int, ...] | None:
+    """The widths a Matryoshka embedding model may be cut to, as vLLM reads its config
+    (`matryoshka_dimensions`, or `is_matryoshka` for any width), or None."""
+    dims = getattr(text, "matryoshka_dimensions", None)
+    if dims:
+        return tuple(int(d) for d in dims)
+    return () if getattr(text, "is_matryoshka", False) else None
 
 
 def _generation_config(folder: str) -> GenerationConfig | None:

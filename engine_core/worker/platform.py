@@ -146,6 +146,8 @@ class Platform:
                                    else SPEC_MAX_BATCH_CPU),
             head_kernels=kernels,
         )
+        if config.enable_lora:  # (the plain LoRA path reads the step's rows on the host)
+            platform = replace(platform, cuda_graph_sizes=(), piecewise_sizes=())
         return platform.split(config.tensor_parallel_size)
 
     def split(self, ranks: int) -> Platform:

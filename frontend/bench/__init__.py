@@ -60,7 +60,7 @@ class BenchConfig:
     """One benchmark run (vLLM's defaults where it has the flag)."""
 
     target: Target
-    endpoint: str = "completions"  # "completions" | "chat"
+    endpoint: str = "completions"  # "completions" | "chat" | "embeddings"
     num_prompts: int = 1000
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     request_rate: float = math.inf  # requests/s; inf sends everything at once

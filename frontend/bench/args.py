@@ -23,6 +23,8 @@ ENDPOINTS = {
     "chat": "chat",
     "/v1/completions": "completions",
     "/v1/chat/completions": "chat",
+    "embeddings": "embeddings",
+    "/v1/embeddings": "embeddings",
 }
 DATASET_NAMES = ("random", "sharegpt", "custom", "prefix_repetition", "prefix-repetition",
                  "repeat")
@@ -89,7 +91,9 @@ def add_general(parser: argparse.ArgumentParser) -> None:
     add("--model", help="model name (default: the first id of GET /v1/models)")
     add("--api-key", help="sent as 'Authorization: Bearer <key>'")
     add("--endpoint", type=endpoint, default="completions",
-        help="completions or chat (or vLLM's /v1/completions, /v1/chat/completions)")
+        help="completions, chat or embeddings (or vLLM's /v1/completions, "
+             "/v1/chat/completions, /v1/embeddings); embeddings: each prompt is one "
+             "non-streamed /v1/embeddings input, timed whole (TTFT = latency)")
     add("--tokenizer",
         help="folder or hub id (default: what GET /tokenizer_info names, else the model id)")
     add("--seed", type=int, default=0)

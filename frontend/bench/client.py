@@ -21,7 +21,8 @@ from frontend.bench.metrics import RequestResult
 from frontend.bench.spec_decode import SpecCounters, parse_counters
 from frontend.bench.workload import Prompt
 
-ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions",
+                  "embeddings": "/v1/embeddings"}
 SCRAPE_TIMEOUT_S = 10.0  # a /metrics read between rounds
 
 
@@ -30,7 +31,7 @@ class RequestOptions:
     """What every request of a run asks for; `model` is already resolved. Each prompt brings
     its own max_tokens; `extra_body` fields (vLLM's --extra-body) go into every request."""
 
-    endpoint: str  # "completions" | "chat"
+    endpoint: str  # "completions" | "chat" | "embeddings"
     model: str
     logprobs: int | None = None
     echo: bool = False  # completions only
@@ -147,6 +148,8 @@ async def send_request(
     api_key: str | None = None,
 ) -> RequestResult:
     """Send one streamed request and time it; never raises for HTTP or stream failures."""
+    if options.endpoint == "embeddings":
+        return await send_embedding(session, base_url, options, prompt, api_key)
     url = normalize_base_url(base_url) + ENDPOINT_PATHS[options.endpoint]
     payload = build_payload(options, prompt)
     state = StreamState()
@@ -166,6 +169,35 @@ async def send_request(
     except Exception as exc:  # noqa: BLE001
         return failure(f"{type(exc).__name__}: {exc}", start, prompt)
     return state.result(time.perf_counter() - start, prompt)
+
+
+async def send_embedding(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    options: RequestOptions,
+    prompt: Prompt,
+    api_key: str | None = None,
+) -> RequestResult:
+    """One /v1/embeddings request of one input, timed whole: its answer is one JSON body, so
+    its "first text" is the vector, at the end (TTFT = latency, no output tokens)."""
+    url = normalize_base_url(base_url) + ENDPOINT_PATHS["embeddings"]
+    payload = {"model": options.model, "input": prompt.text, **options.extra_body}
+    start = time.perf_counter()
+    try:
+        async with session.post(url, json=payload, headers=auth_headers(api_key)) as response:
+            body = await response.text()
+            latency = time.perf_counter() - start
+            if response.status != 200:
+                return failure(f"HTTP {response.status}: {error_message(body)}", start, prompt)
+            answer = json.loads(body)
+            if not answer.get("data") or not answer["data"][0].get("embedding"):
+                return failure("the answer carried no embedding", start, prompt)
+    except Exception as exc:  # noqa: BLE001 - one bad request must not end the run
+        return failure(f"{type(exc).__name__}: {exc}", start, prompt)
+    return RequestResult(success=True, latency=latency, text_times=(latency,),
+                         prompt_len=prompt.input_len,
+                         prompt_tokens=(answer.get("usage") or {}).get("prompt_tokens"),
+                         completion_tokens=0)
 
 
 def feed_lines(state: StreamState, lines: list[bytes], elapsed: float) -> None:

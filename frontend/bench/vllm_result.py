@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from frontend.bench import BenchConfig, BenchResult
     from frontend.bench.spec_decode import SpecDecodeStats
 
-BACKENDS = {"completions": "openai", "chat": "openai-chat"}  # vLLM's --backend names
+BACKENDS = {"completions": "openai", "chat": "openai-chat",  # vLLM's --backend names
+            "embeddings": "openai-embeddings"}
 DATE_FORMAT = "%Y%m%d-%H%M%S"
 
 

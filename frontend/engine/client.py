@@ -356,7 +356,8 @@ class EngineClient:
         stream.put(rid, StepItem(choice, token, logprob, prompt_logprobs,
                                  fin.reason if fin else None,
                                  fin.stop_token_id if fin else None,
-                                 fin.message if fin else None), self._news)
+                                 fin.message if fin else None,
+                                 fin.embedding if fin else b""), self._news)
 
     def _resolve_call(self, result: wire.UtilityResult) -> None:
         if result.progress is not None:

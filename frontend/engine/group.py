@@ -37,7 +37,7 @@ from frontend.engine.kv_index import BlockIndex, KvEventFeed
 from frontend.engine.routing import Router, RoutingConfig
 from frontend.engine.stream import OutputStream
 from shared import messages as wire
-from shared.block_hash import chain_hashes
+from shared.block_hash import chain_hashes, root_parent
 from shared.curve import ClientKeys
 from shared.kv_events import reachable
 
@@ -169,7 +169,7 @@ class EngineGroup:
         stream = stream if stream is not None else OutputStream()
         engine = self._stream_engine.get(stream)
         if engine is None or not engine.serving:
-            engine = self._choose(prompt_token_ids)
+            engine = self._choose(prompt_token_ids, params.lora)
             self._stream_engine[stream] = engine
         engine.sent += 1
         return self._client(engine).add(request_id, prompt_token_ids, params, stream, choice)
@@ -184,7 +184,7 @@ class EngineGroup:
             if mine:
                 client.abort(mine, stopped)
 
-    def _choose(self, prompt: list[int]) -> _Engine:
+    def _choose(self, prompt: list[int], lora: str | None = None) -> _Engine:
         pinned = PINNED_RANK.get()
         if pinned is not None:
             engine = self._engines[pinned]
@@ -199,7 +199,8 @@ class EngineGroup:
         blocks, holders, hashed = 0, 0, 0
         with_events = [r for r in alive if self._engines[r].feed is not None]
         if with_events and self._router.config.policy == "cache-aware":
-            hashes = chain_hashes(prompt, self.ready.block_size)
+            # keyed by (adapter, prefix): an adapter's blocks hash from its own root
+            hashes = chain_hashes(prompt, self.ready.block_size, root=root_parent(lora))
             hashed = len(hashes)
             mask = sum(1 << r for r in with_events)
             blocks, holders = self.index.longest_prefix(hashes, mask)

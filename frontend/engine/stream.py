@@ -42,6 +42,7 @@ class StepItem(NamedTuple):
     finish_reason: FinishReason | None
     stop_token_id: int | None = None
     error: str | None = None  # the engine's message with finish_reason "error"
+    embedding: bytes = b""  # a pooling request's vector (float32), on its finish
 
 
 class StepSink(Protocol):

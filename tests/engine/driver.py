@@ -21,6 +21,7 @@ class Collected:
     finish: str | None = None
     stop_token_id: int | None = None
     message: str | None = None
+    embedding: np.ndarray | None = None  # a pooling request's vector (float32)
 
 
 def absorb(out: StepOutputs, results: dict[str, Collected]) -> None:
@@ -37,6 +38,8 @@ def absorb(out: StepOutputs, results: dict[str, Collected]) -> None:
         if row.finish is not None:
             f = row.finish
             r.finish, r.stop_token_id, r.message = f.reason, f.stop_token_id, f.message
+            if f.embedding:
+                r.embedding = np.frombuffer(f.embedding, dtype="<f4")
 
 
 def run(core: EngineCore, results: dict[str, Collected] | None = None, max_steps: int = 10_000,

@@ -77,6 +77,7 @@ class ModelCard(msgspec.Struct):
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
     owned_by: str = "tandem"
     object: Literal["model"] = "model"
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(msgspec.Struct):
@@ -99,15 +100,17 @@ def decode_request(body: bytes, kind: type[RequestT],
     return msgspec.convert({**(defaults or {}), **given}, kind)
 
 
-def split_prompts(prompt: str | Sequence[str | int | list[int]]) -> list[str] | list[list[int]]:
-    """Normalise the four prompt forms to a batch: strings, or token-id lists.
+def split_prompts(prompt: str | Sequence[str | int | list[int]],
+                  field: str = "prompt") -> list[str] | list[list[int]]:
+    """Normalise the four prompt forms to a batch: strings, or token-id lists (a 400 names
+    `field`, the request's name for them: "prompt", or /v1/embeddings' "input").
 
     A flat list of ints is one tokenized prompt; a list of strings or of int lists is a batch.
     """
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise bad_request("prompt must not be empty", "prompt")
+        raise bad_request(f"{field} must not be empty", field)
     if all(isinstance(p, str) for p in prompt):
         return [p for p in prompt if isinstance(p, str)]
     if all(isinstance(p, int) for p in prompt):
@@ -115,7 +118,7 @@ def split_prompts(prompt: str | Sequence[str | int | list[int]]) -> list[str] | 
     if all(isinstance(p, list) for p in prompt):
         return [p for p in prompt if isinstance(p, list)]
     raise bad_request(
-        "prompt must be a string, a list of strings, a list of token ids, "
+        f"{field} must be a string, a list of strings, a list of token ids, "
         "or a list of token-id lists (not a mix)",
-        "prompt",
+        field,
     )

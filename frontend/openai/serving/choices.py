@@ -149,7 +149,7 @@ class ChoiceRun:
             self._client.abort([choice.request_id], stopped=True)
 
     def item(self, item: StepItem) -> None:
-        index, token_id, logprob, prompt_logprobs, finish_reason, stop_token_id, error = item
+        index, token_id, logprob, prompt_logprobs, finish_reason, stop_token_id, error, _ = item
         choice = self._choices[index]
         proc = choice.processor
         if proc.finished:

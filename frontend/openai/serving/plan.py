@@ -139,7 +139,8 @@ def plan_request(
     sampling = read_sampling(req, api, served)
     prompts = [served.prompt_ids(p) for p in split_prompts(api.prompt)]
     budgets = [sampling.budget(len(p), served.max_model_len) for p in prompts]
-    plan = RequestPlan(f"{id_prefix}-{uuid.uuid4().hex}", served.name, prompts,
+    plan = RequestPlan(f"{id_prefix}-{uuid.uuid4().hex}", sampling.params.lora or served.name,
+                       prompts,
                        constraint_param=sampling.constraint_param, reasoning=api.reasoning)
     for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
         for j in range(req.n):
@@ -160,7 +161,7 @@ def read_sampling(req: SamplingRequest, api: ApiFields, served: ServedModel) -> 
     check_lengths(req, api)
     stop = stop_strings(req.stop)
     logit_bias = parse_logit_bias(req.logit_bias)
-    served.check_model(req.model)
+    lora = served.adapter_of(req.model)
     served.check_ids(list(logit_bias or ()), "logit_bias")
     stop_token_ids = list(req.stop_token_ids or [])
     served.check_ids(stop_token_ids, "stop_token_ids")
@@ -184,6 +185,7 @@ def read_sampling(req: SamplingRequest, api: ApiFields, served: ServedModel) -> 
         prompt_logprobs=api.logprobs if api.echo else None,
         structured=None if constraint is None else constraint.output,
         reasoning_end=list(api.reasoning.engine_end) if api.reasoning and constraint else [],
+        lora=lora,
     )
     options = OutputOptions(
         echo=api.echo,

@@ -20,7 +20,7 @@ from frontend.openai.protocol.base import ModelCard
 from frontend.openai.protocol.chat import ChatMessage, ContentPart, check_messages
 from frontend.text.byte_pieces import BytePieces
 from frontend.text.logprob_text import TokenTextCache
-from shared.messages import Ready
+from shared.messages import LoRACard, Ready
 
 
 class ServedModel:
@@ -29,12 +29,15 @@ class ServedModel:
     def __init__(
         self, tokenizer: Any, name: str, max_model_len: int, engine_vocab_size: int,
         sampling_defaults: dict[str, int | float] | None = None,
+        adapters: Sequence[LoRACard] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.name = name
         self.max_model_len = max_model_len
         # the model's generation defaults, for the sampling fields a request leaves out
         self.sampling_defaults = dict(sampling_defaults or {})
+        # --enable-lora: the adapters a request may name as its model, by name
+        self.adapters = {card.name: card for card in adapters}
         # ids both sides know: a tokenizer may pad its vocabulary, a model may pad its head
         self.vocab_size = min(len(tokenizer), engine_vocab_size)
         self.token_text = TokenTextCache(tokenizer)  # shared by every request
@@ -44,14 +47,27 @@ class ServedModel:
     def from_ready(cls, tokenizer: Any, ready: Ready, name: str | None = None) -> ServedModel:
         """The model the engine announced, served as `name` (default: the engine's name)."""
         return cls(tokenizer, name or ready.model, ready.max_model_len, ready.vocab_size,
-                   ready.sampling_defaults)
+                   ready.sampling_defaults, ready.lora_adapters)
 
-    def card(self) -> ModelCard:
-        return ModelCard(id=self.name, root=self.name, max_model_len=self.max_model_len)
+    def cards(self) -> list[ModelCard]:
+        """/v1/models: the served model, then each LoRA adapter (its parent the base model,
+        its root its folder, as vLLM lists them)."""
+        return [ModelCard(id=self.name, root=self.name, max_model_len=self.max_model_len),
+                *(ModelCard(id=c.name, root=c.path, max_model_len=self.max_model_len,
+                            parent=c.base_model_name or self.name)
+                  for c in self.adapters.values())]
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, or None for the served model; a 404
+        for any other name."""
+        if model is not None and model in self.adapters:
+            return model
+        self.check_model(model)
+        return None
 
     def check_model(self, model: str | None) -> None:
-        """A request naming another model than the one served is a 404."""
-        if model is not None and model != self.name:
+        """A request naming another model than the one served (or an adapter) is a 404."""
+        if model is not None and model != self.name and model not in self.adapters:
             raise OpenAIError(
                 404,
                 f"The model `{model}` does not exist.",

@@ -4,9 +4,9 @@
 leaf modules every API raises and limits with (`errors`, `http_limits`), never the top
 (`server`, `cli`...). Inside `openai/`, bottom up: `protocol/` (the shared schemas), then
 `reasoning/` and `tools/`, then `serving/` (what the APIs share), then the APIs:
-`completions/`, `chat/`, `responses/`, `tokens/`, siblings that never import each other. A
-module imports only its own package and packages below it; no module sits at `openai/`'s root;
-no circle anywhere in the frontend.
+`completions/`, `chat/`, `responses/`, `tokens/`, `embeddings/`, siblings that never import
+each other. A module imports only its own package and packages below it; no module sits at
+`openai/`'s root; no circle anywhere in the frontend.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tests.unit.layout import imports, within
 
 OPENAI = "frontend.openai"
 RANK = {"protocol": 0, "reasoning": 1, "tools": 1, "serving": 2,
-        "completions": 3, "chat": 3, "responses": 3, "tokens": 3}
+        "completions": 3, "chat": 3, "responses": 3, "tokens": 3, "embeddings": 3}
 APIS = [name for name, rank in RANK.items() if rank == max(RANK.values())]
 LEAVES = ("frontend.errors", "frontend.http_limits")  # import nothing of openai/ (checked)
 

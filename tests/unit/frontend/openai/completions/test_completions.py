@@ -226,6 +226,7 @@ async def test_health_models_version_and_header(client: Client) -> None:
         "created": 0,
         "owned_by": "tandem",
         "object": "model",
+        "parent": None,  # (vLLM's card: a LoRA adapter's base model)
     }
     assert "version" in await (await client.get("/version")).json()
 

@@ -1,0 +1,2 @@
+"""/v1/embeddings (`endpoint.py`) and its schemas (`protocol.py`). Imports `serving/` and
+`protocol/`, no other API."""
