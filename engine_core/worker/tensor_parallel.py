@@ -37,7 +37,7 @@ from engine_core.config import EngineConfig
 from engine_core.layers.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("TANDEM_TP_TIMEOUT_S", "60")))
 _STEP, _HEAD, _STOP = 1, 2, 3
 _HEADER = 8
 _ARRAYS = 4  # a step's 1-D arrays: starts, num_new, token ids, rows kept for the head
