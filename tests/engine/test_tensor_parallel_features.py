@@ -130,20 +130,21 @@ def test_a_draft_model_on_rank_zero_gives_hf_tokens(tiny_llama, tiny_draft, toke
                                                     reference, capfd, draft):
     model = tiny_draft if draft == "another" else tiny_llama
     prompts = make_prompts(tokenizer, n=8)
-    counters = []
+    results, counters = {}, {}
     for tp in (1, 2):
         core = tp_engine(tiny_llama, tp, speculative=draft_config(model, k=3))
         try:
             submit(core, prompts, MAX_NEW)
-            got = run(core)
+            results[tp] = run(core)
             stats = core.stats()
-            counters.append((stats.spec_draft_tokens, stats.spec_accepted_tokens))
+            counters[tp] = (stats.spec_draft_tokens, stats.spec_accepted_tokens)
             assert_drained(core)
         finally:
             close(core)
-    assert_hf(got, prompts, reference.model, MAX_NEW)
-    drafted, accepted = counters[1]
-    assert counters[0] == counters[1]  # the same drafts, verified alike
+    assert_hf(results[2], prompts, reference.model, MAX_NEW)
+    assert_same(results[2], results[1])
+    drafted, accepted = counters[2]
+    assert counters[1] == counters[2]  # the same drafts, verified alike
     assert drafted > 0 and (accepted == drafted if draft == "itself" else accepted < drafted)
     worker_log = [line for line in capfd.readouterr().err.splitlines() if "tp-worker1" in line]
     assert any("engine_core.worker.model_runner" in line for line in worker_log)
