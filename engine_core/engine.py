@@ -48,6 +48,7 @@ from engine_core.validation import params_error, prompt_ids
 from engine_core.worker.input_batch import StepRows
 from engine_core.worker.model_runner import ModelRunner
 from engine_core.worker.platform import Platform
+from engine_core.worker.tensor_parallel import COLLECTIVE_TIMEOUT
 from engine_core.worker.threads import ThreadPolicy
 from shared.messages import (
     MAX_LOGPROBS,
@@ -132,6 +133,9 @@ class EngineCore:
         self._refused: list[_Refusal] = []
         self._arrivals = itertools.count()
         self.counts = EngineStats()  # the engine's own counters; stats() adds the rest
+        # why no step can run again (a tensor-parallel step failed: the ranks are out of step);
+        # the process wrapper then stops the engine
+        self.failed: str | None = None
 
     # -- requests in ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int] | bytes,
@@ -245,8 +249,11 @@ class EngineCore:
                 victims += [r for r in inflight.samplers if r not in victims]
             else:  # finished (or aborted) requests have had their last row
                 victims = [r for r in victims if r.status is not Status.FINISHED]
+            if self.runner.workers is not None:  # a rank may be mid-step: nothing can follow
+                self.failed = tensor_parallel_failure(exc)
+                victims = list(self.scheduler.requests.values())
             self._inflight = None
-            self._fail_step(victims, exc, news)
+            self._fail_step(victims, exc, news, self.failed)
         _add_refusals(news, refused)
         self._structured_news(news, idle=not news and self._inflight is None)
         return self._pack(news)
@@ -387,14 +394,15 @@ class EngineCore:
         if idle:
             self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
 
-    def _fail_step(self, victims: list[Request], exc: Exception, news: StepNews) -> None:
-        """A step raised: finish its requests with an error row each (added to `news`), count
-        it, carry on."""
+    def _fail_step(self, victims: list[Request], exc: Exception, news: StepNews,
+                   message: str | None = None) -> None:
+        """A step raised: finish its requests with an error row each (added to `news`; the
+        clients read `message`, else a pointer to the log), count it, carry on."""
         self.counts.step_errors += 1
         log.exception("step %d failed; %d request(s) finished with an error",
                       self.counts.steps, len(victims))
-        message = (f"the engine failed while running this request ({type(exc).__name__}); "
-                   "see the engine log")
+        message = message or (f"the engine failed while running this request "
+                              f"({type(exc).__name__}); see the engine log")
         ids = [req.request_id for req in victims]
         self.scheduler.finish_requests(ids, FinishReason.ERROR)
         for req in victims:
@@ -515,6 +523,18 @@ def _adopt_forks(samplers: list[Request], batch: SamplingBatch, verified: Accept
         fork = batch.grammars.get(int(starts[i] + verified.accepted[i]))
         if grammar is not None and fork is not None:
             grammar.adopt(fork)
+
+
+def tensor_parallel_failure(exc: Exception) -> str:
+    """Why a tensor-parallel engine stops after a step raised `exc`: a rank that did not answer
+    within the collectives' timeout (gloo's and NCCL's errors then say "timed out" or
+    "timeout"), or the error itself."""
+    text = str(exc)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return (f"a tensor-parallel worker did not answer within "
+                f"{COLLECTIVE_TIMEOUT.total_seconds():g} s (TANDEM_TP_TIMEOUT_S): it hangs or "
+                "is stopped; the engine stops")
+    return f"a tensor-parallel step failed, the engine stops: {type(exc).__name__}: {text}"
 
 
 def _add_refusals(news: StepNews, refused: list[_Refusal]) -> None:

@@ -107,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     kv_events = (None if args.kv_events_config is None
                  else parse_kv_events_config(args.kv_events_config))
     ready = ready_message(config, core.facts, args.data_parallel_rank)
-    serve(core, args.listen, ready, args.curve_keys, kv_events, args.kv_events_format,
-          log_stats=not args.disable_log_stats)
-    return 0
+    return serve(core, args.listen, ready, args.curve_keys, kv_events, args.kv_events_format,
+                 log_stats=not args.disable_log_stats)
 
 
 def ready_message(config: EngineConfig, facts: ModelFacts, rank: int = 0) -> Ready:

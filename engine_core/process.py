@@ -58,6 +58,7 @@ _OUT_ADDR = "inproc://tandem-engine-out"
 IDLE_POLL_S = 0.5  # how often an idle loop looks at the stop flag (it blocks on the queue)
 REAP_EVERY_S = 1.0  # how often the loop looks for frontends gone silent
 TRIM_EVERY_S = 10.0  # how often a busy loop gives the heap's free pages back (and on going idle)
+FLUSH_S = 2.0  # how long a failed engine waits for its last outputs to go, and for a killed worker
 
 
 class EngineProcess:
@@ -152,6 +153,25 @@ class EngineProcess:
         self.progress.step_finished()
         self._send(outputs)
         self._publish_kv_events()
+        if self.core.failed is not None:
+            self._stop_failed(self.core.failed)
+
+    def _stop_failed(self, why: str) -> None:
+        """The engine cannot go on (`EngineCore.failed`): its requests' error rows are sent, its
+        tensor-parallel workers killed (a hung or stopped one heeds nothing else, and would
+        keep the exit waiting on it), and the loop ends."""
+        log.error("%s", why)
+        deadline = time.monotonic() + FLUSH_S
+        while not self.outputs.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # the I/O thread's last sends
+        workers = self.core.runner.workers
+        if workers is not None:
+            workers.stopping = True  # their deaths are no news to its watcher thread
+            for p in workers.procs:
+                p.kill()
+                p.join(timeout=FLUSH_S)
+        self.stop_requested = True
 
     def _publish_kv_events(self) -> None:
         if self.kv_events is not None:
@@ -291,8 +311,9 @@ class EngineProcess:
 
 def serve(core: EngineCore, listen: str, ready: Ready, curve_keys: str | None = None,
           kv_events: KvEventsConfig | None = None,
-          kv_events_format: KvEventsFormat = "map", log_stats: bool = True) -> None:
-    """Run the engine until SIGINT/SIGTERM."""
+          kv_events_format: KvEventsFormat = "map", log_stats: bool = True) -> int:
+    """Run the engine until SIGINT/SIGTERM (then 0), or until it cannot go on (then 3,
+    `EngineCore.failed`, as when a tensor-parallel worker dies)."""
     proc = EngineProcess(core, listen, ready, curve_keys=curve_keys, kv_events=kv_events,
                          kv_events_format=kv_events_format, log_stats=log_stats)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -301,3 +322,4 @@ def serve(core: EngineCore, listen: str, ready: Ready, curve_keys: str | None = 
     if proc.kv_events is not None:
         proc.kv_events.close()
     log.info("engine %d stopping", os.getpid())
+    return 0 if core.failed is None else 3

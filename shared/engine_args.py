@@ -169,8 +169,6 @@ def check_engine_args(args: argparse.Namespace) -> str | None:
     """What is wrong with engine flags that parse but cannot be served, or None."""
     if args.tensor_parallel_size < 1:
         return f"--tensor-parallel-size {args.tensor_parallel_size}: at least 1"
-    if args.tensor_parallel_size > 1 and args.speculative_config is not None:
-        return "--speculative-config: not yet with --tensor-parallel-size above 1"
     if args.max_logprobs is not None and not 0 <= args.max_logprobs <= MAX_LOGPROBS:
         return f"--max-logprobs {args.max_logprobs}: between 0 and {MAX_LOGPROBS}"
     utilization = args.gpu_memory_utilization

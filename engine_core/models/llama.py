@@ -68,6 +68,11 @@ class LlamaAttention(nn.Module):
         return attended.view(qkv.shape[0], -1)
 
 
+def mlp_width(intermediate: int, tp: TensorParallel | None) -> int:
+    """This rank's columns of the MLP (all of them without tensor parallelism)."""
+    return intermediate if tp is None else tp.columns(intermediate)[1]
+
+
 class LlamaMLP(nn.Module):
     gate_up_proj: nn.Module
     down_proj: nn.Module
@@ -76,7 +81,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.kit = kit
-        width = config.intermediate_size // (1 if kit.tp is None else kit.tp.size)
+        width = mlp_width(config.intermediate_size, kit.tp)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=bias)
         self.down_proj = nn.Linear(width, config.hidden_size, bias=bias)
 
@@ -236,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
         """The checkpoint's projections that load into a merged product, by name."""
         qkv = (self.shape.heads * self.shape.head_dim,) + (self.shape.kv_heads
                                                             * self.shape.head_dim,) * 2
-        width = self.intermediate // (1 if self.tp is None else self.tp.size)
+        width = mlp_width(self.intermediate, self.tp)
         gate_up = (width, width)
         return {"q_proj": Part("qkv_proj", 0, qkv), "k_proj": Part("qkv_proj", 1, qkv),
                 "v_proj": Part("qkv_proj", 2, qkv), "gate_proj": Part("gate_up_proj", 0, gate_up),
@@ -260,8 +265,9 @@ class LlamaForCausalLM(nn.Module):
         if kind in ("o_proj", "down_proj"):
             if what == "bias":  # added once, by rank 0's partial sum
                 return None if tp.rank == 0 else Slice(0, 0, 0)
-            width = split.heads * dim if kind == "o_proj" else self.intermediate // tp.size
-            return Slice(1, tp.rank * width, width)
+            if kind == "down_proj":  # its inputs: this rank's MLP columns
+                return Slice(1, *tp.columns(self.intermediate))
+            return Slice(1, tp.rank * split.heads * dim, split.heads * dim)
         if kind in ("embed_tokens", "lm_head"):
             rows = tp.vocab_rows(self.vocab)
             return Slice(0, tp.rank * rows, max(0, min(rows, self.vocab - tp.rank * rows)))

@@ -21,6 +21,10 @@ All the step's requests go through each forward together. The draft then has K/V
 after verification what is valid is below min(p + k, the new last token's position), which is
 where the next catch-up starts (`Request.draft_computed` keeps p + k; the next proposal takes
 the minimum). A preempted request starts over (its blocks are gone).
+
+Under tensor parallelism the draft is not split: it runs whole in the engine process (rank
+0), its forwards and its KV cache rank 0's alone; the workers never load it and its
+forwards broadcast nothing. Only the target's verification step reaches the workers.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ class Drafter:
                  target_vocab: int) -> None:
         spec = config.speculative
         assert spec is not None and spec.model is not None
-        draft_config = dataclasses.replace(config, model=spec.model, speculative=None)
+        draft_config = dataclasses.replace(config, model=spec.model, speculative=None,
+                                           tensor_parallel_size=1)
         hf_config = AutoConfig.from_pretrained(spec.model,
                                                trust_remote_code=config.trust_remote_code)
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config

@@ -131,10 +131,11 @@ class ModelRunner:
                         if platform.attention == "cuda" else None)
         self._metadata = self._metadata_builder(platform.attention, platform.head_kernels)
         self.kv_shape = _kv_shape(text, tp)
-        spec = config.speculative
+        spec = config.speculative  # a draft model runs whole on rank 0 only (drafter.py)
         self.drafter = (Drafter(config, platform, self.facts.max_model_len,
                                 self.facts.vocab_size)
-                        if spec is not None and spec.kind == "draft_model" else None)
+                        if spec is not None and spec.kind == "draft_model" and rank is None
+                        else None)
         cuda_path = platform.attention == "cuda"
         graph_sizes = platform.cuda_graph_sizes if cuda_path else ()
         piece_sizes = platform.piecewise_sizes if cuda_path and self.pieces is not None else ()

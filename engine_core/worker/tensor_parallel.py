@@ -41,7 +41,7 @@ from engine_core.layers.parallel import TensorParallel
 from engine_core.worker.platform import Platform, ShippedPlatform
 
 log = logging.getLogger(__name__)
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("TANDEM_TP_TIMEOUT_S", "60")))
 _STEP, _HEAD, _STOP, _REPORT = 1, 2, 3, 4
 _HEADER = 12
 # a step's 1-D arrays: starts, num_new, token ids, rows kept for the head, and the rows whose

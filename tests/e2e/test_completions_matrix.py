@@ -1,10 +1,11 @@
 """/v1/completions end to end through `tandem serve`, with the openai SDK as the client.
 
 The matrix: stream x echo x logprobs {none, 0, 1, 5} x n {1, 2} x stop {none, set} x
-max_tokens {0, 1, 16} over ASCII, CJK and emoji prompts, served as outputs come and with every
-stream merging engine steps into its chunks. For every cell the streamed and the
-non-streamed answers agree, the text-offset contract holds, the final text equals
-tokenizer.decode of the generated ids, and prompt-only logprobs equal Hugging Face's.
+max_tokens {0, 1, 16} over ASCII, CJK and emoji prompts, served as outputs come, with every
+stream merging engine steps into its chunks, with speculative decoding, and at
+--tensor-parallel-size 2. For every cell the streamed and the non-streamed answers agree, the
+text-offset contract holds, the final text equals tokenizer.decode of the generated ids, and
+prompt-only logprobs equal Hugging Face's.
 """
 
 from __future__ import annotations
@@ -35,13 +36,17 @@ ATOL = 1e-4
 # checked against the same references even on a machine fast enough never to fall behind; and
 # with speculative decoding, the model as its own draft, so that most steps bring each request
 # several tokens (its accepted drafts and one more) as rows of one engine message, and steps
-# overlapped (--async-scheduling) while more requests run than speculation's bound.
-@pytest.fixture(scope="module", params=["as-they-come", "merged", "speculative"])
+# overlapped (--async-scheduling) while more requests run than speculation's bound; and with
+# the model split over two ranks (--tensor-parallel-size 2: the engine and one gloo worker),
+# whose outputs must keep the same contract.
+@pytest.fixture(scope="module", params=["as-they-come", "merged", "speculative",
+                                        "tensor-parallel"])
 def server(tiny_llama: Path, tmp_path_factory, request):
     flags = {"as-they-come": ["--merge-steps", "1"], "merged": ["--merge-steps", "2"],
              "speculative": ["--speculative-config", f'{{"model": "{tiny_llama}", '
                              '"num_speculative_tokens": 3, "disable_by_batch_size": 8}',
-                             "--async-scheduling"]
+                             "--async-scheduling"],
+             "tensor-parallel": ["--tensor-parallel-size", "2", "--device", "cpu"],
              }[request.param]
     srv = Server(
         tiny_llama, tmp_path_factory.mktemp("srv"), "--max-model-len", "512", *flags,

@@ -80,3 +80,54 @@ async def test_tp2_serves_hf_tokens_and_a_dead_worker_fails_streams_fast(tiny_ll
             assert all(end != "ok" for end in ends), ends
     finally:
         server.stop()
+
+
+async def _stream_end(session: aiohttp.ClientSession, url: str, prompt: str) -> str:
+    """How a long stream ended: "ok", or the message of its error event, or what broke."""
+    payload = {"model": "m", "prompt": prompt, "max_tokens": 400, "temperature": 0,
+               "ignore_eos": True, "stream": True}
+    try:
+        async with session.post(f"{url}/v1/completions", json=payload) as resp:
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if line.startswith("data: {") and "error" in (event := json.loads(line[6:])):
+                    return f"error event: {event['error']['message']}"
+        return "ok"
+    except aiohttp.ClientError as exc:
+        return f"connection: {exc}"
+
+
+async def test_a_hung_worker_fails_the_engine_after_the_collective_timeout(
+        tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """A worker SIGSTOPped mid-stream (alive, silent: what a hang looks like) fails rank 0's
+    next collective after TANDEM_TP_TIMEOUT_S (shorter than the launcher's 10 s stall bound,
+    so it is the collective's timeout that ends it): every stream ends with an error event
+    that names the cause, the engine kills the worker and exits, the server stops."""
+    timeout_s = 6
+    monkeypatch.setenv("TANDEM_TP_TIMEOUT_S", str(timeout_s))
+    server = Server(tiny_llama, tmp_path, "--tensor-parallel-size", "2", "--device", "cpu",
+                    "--max-model-len", "512", "--num-kv-blocks", "96").wait_healthy()
+    worker = _worker_pid(server)
+    try:
+        async with aiohttp.ClientSession() as session:
+            streams = [asyncio.create_task(_stream_end(session, server.url, f"story {i}"))
+                       for i in range(3)]
+            await asyncio.sleep(1.5)
+            assert not any(s.done() for s in streams)
+            os.kill(worker, signal.SIGSTOP)
+            stopped = time.monotonic()
+            ends = await asyncio.wait_for(asyncio.gather(*streams), timeout=timeout_s + 20)
+            took = time.monotonic() - stopped
+        assert all(end.startswith("error event: a tensor-parallel worker did not answer")
+                   for end in ends), ends
+        assert timeout_s - 1 < took < timeout_s + 5, took
+        assert server.proc.wait(timeout=20) != 0  # the engine exited, so the server stopped
+        assert not Path(f"/proc/{worker}").exists()  # killed and reaped by rank 0
+        log = capfd.readouterr().err
+        assert f"did not answer within {timeout_s} s (TANDEM_TP_TIMEOUT_S)" in log
+        assert "exited with code 3" in log
+    finally:
+        if Path(f"/proc/{worker}").exists():
+            os.kill(worker, signal.SIGKILL)
+        server.stop()

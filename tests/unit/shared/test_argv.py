@@ -56,8 +56,6 @@ def test_vllm_aliases_reach_the_engine_under_tandems_names() -> None:
 
 @pytest.mark.parametrize(("flags", "problem"), [
     (["--tensor-parallel-size", "0"], "at least 1"),
-    (["--tensor-parallel-size", "2", "--speculative-config", '{"method": "ngram"}'],
-     "not yet with --tensor-parallel-size"),
     (["--max-logprobs", "21"], "between 0 and 20"),
     (["--gpu-memory-utilization", "1.5"], "(0, 1]"),
 ])
@@ -70,3 +68,7 @@ def test_plain_flags_pass_the_checks() -> None:
     args = engine_parser().parse_args(["--tensor-parallel-size", "1", "--max-logprobs", "5",
                                        "--gpu-memory-utilization", "0.9"])
     assert check_engine_args(args) is None
+    speculating = engine_parser().parse_args(["--tensor-parallel-size", "2",
+                                              "--speculative-config",
+                                              '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert check_engine_args(speculating) is None
