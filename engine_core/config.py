@@ -35,6 +35,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # overlapped steps; None: the platform's default
     speculative: SpeculativeConfig | None = None  # --speculative-config
     tensor_parallel_size: int = 1  # ranks the model is split over (worker/tensor_parallel.py)
+    quantization: str | None = None  # "fp8": the decoder's weights quantized as they load
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
@@ -52,5 +53,7 @@ class EngineConfig:
                              "transformers")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"--quantization {self.quantization!r}: choose fp8")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: choose auto, cpu or cuda")

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             speculative=(None if args.speculative_config is None
                          else parse_speculative_config(args.speculative_config)),
             cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
-            tensor_parallel_size=args.tensor_parallel_size)
+            tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
         core = EngineCore(config)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"tandem engine: cannot start: {e}", file=sys.stderr)

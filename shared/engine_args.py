@@ -78,6 +78,13 @@ _ENGINE_FLAGS = (
         "type": int, "default": 1,
         "help": "ranks one model is split over (Megatron-style, on torch.distributed: one GPU "
                 "each on CUDA, gloo processes on the CPU); the engine is rank 0"}),
+    (("--quantization", "-q"), {
+        "default": None, "choices": ["fp8"],
+        "help": "fp8: the decoder's linear weights quantized to fp8 (e4m3, a scale per output "
+                "channel) as they load, activations per token, products on the fp8 GEMM of a "
+                "GPU of compute capability 8.9+ (elsewhere dequantized per product: correct, "
+                "not fast). An fp8 checkpoint (compressed-tensors float-quantized, or fp8) "
+                "loads as it is stored, with or without this flag"}),
     ("--kv-events-config", {
         "default": None,
         "help": "publish the prefix cache's changes as vLLM's KV-cache events, for external "
