@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine_core.layers.fp8 import Fp8Linear, dequantize, quantize_rows
+from shared.speculative import parse_speculative_config
 from tests.engine.test_hf_parity import (
     MAX_NEW,
     Reference,
@@ -156,3 +157,20 @@ def test_an_fp8_tensor_without_a_quantized_place_is_an_error(tmp_path):
     save_file(stored, str(Path(ckpt.folder) / "model.safetensors"))
     with pytest.raises(ValueError, match="lm_head.weight is stored in fp8"):
         engine(ckpt.folder, num_kv_blocks=16)
+
+
+def test_a_draft_model_keeps_its_own_precision(tiny_llama, tokenizer):
+    """--quantization is the target's: a full-precision draft stays so, and the target's
+    greedy tokens are the plain fp8 engine's."""
+    prompts = make_prompts(tokenizer, n=4)
+    want = submit_and_run(engine(tiny_llama, num_kv_blocks=256, quantization="fp8"), prompts)
+    draft = parse_speculative_config(json.dumps({"model": str(tiny_llama),
+                                                 "num_speculative_tokens": 2,
+                                                 "disable_by_batch_size": 1024}))
+    core = engine(tiny_llama, num_kv_blocks=256, quantization="fp8", speculative=draft)
+    assert core.runner.drafter is not None
+    assert not any(isinstance(m, Fp8Linear) for m in core.runner.drafter.decoder.modules())
+    got = submit_and_run(core, prompts)
+    assert {k: r.token_ids for k, r in got.items()} == {k: r.token_ids for k, r in want.items()}
+    assert core.stats().spec_draft_tokens > 0
+    assert_drained(core)
