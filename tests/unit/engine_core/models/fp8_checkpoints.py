@@ -56,8 +56,10 @@ def quantization_config(fmt: str, static: bool) -> dict[str, Any]:
             "ignore": ["lm_head"] + ([IGNORED] if fmt == "ct-channel" else [])}
 
 
-def write_fp8_checkpoint(root: Path, fmt: str, static: bool = False,
-                         seed: int = 0) -> Fp8Checkpoint:
+def write_fp8_checkpoint(root: Path, fmt: str, static: bool = False, seed: int = 0,
+                         input_scales: dict[str, float] | None = None) -> Fp8Checkpoint:
+    """`static`: each projection an input scale, from `input_scales` (by module name) where
+    given, else an arbitrary one of 0.01, 0.02, 0.03."""
     model = small_llama(seed)
     stored: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
@@ -75,11 +77,12 @@ def write_fp8_checkpoint(root: Path, fmt: str, static: bool = False,
         stored[name] = q
         stored[module + ".weight_scale"] = scale.contiguous()
         if static:  # each projection its own, so a merged product's parts differ
-            stored[module + ".input_scale"] = torch.tensor(0.01 * (1 + i % 3)).reshape(
+            value = (input_scales or {}).get(module, 0.01 * (1 + i % 3))
+            stored[module + ".input_scale"] = torch.tensor(value).reshape(
                 1 if fmt != "fp8" else ())
         dequantized[name] = q.float() * scale.reshape(-1, 1)
     folder, reference = root / f"{fmt}{'-static' if static else ''}", root / f"{fmt}-reference"
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     save_file(stored, str(folder / "model.safetensors"))
     config = model.config.to_dict()
     config["quantization_config"] = quantization_config(fmt, static)
