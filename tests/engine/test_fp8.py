@@ -1,7 +1,7 @@
 """fp8 weights through the whole engine on the CPU (where each product runs on the dequantized
 weight): an fp8 checkpoint's greedy tokens and logprobs equal Hugging Face's on the same model
 with its dequantized weights, for compressed-tensors per channel (one layer ignored) and per
-tensor with static input scales, and the fp8 method; `--quantization fp8` on the tiny Llama
+tensor with static input scales, and the fp8 method; `--quantization fp8` on the tiny Llama and Qwen2
 equals Hugging Face with its weights quantized and dequantized, and on a small Llama,
 re-scored by the full-precision model (teacher-forced), keeps every token in its top 20 and
 most at its argmax; two tensor-parallel ranks give one device's tokens; unsupported
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
@@ -61,21 +61,23 @@ def test_fp8_checkpoint_equals_its_dequantized_model(tmp_path, fmt, static):
     assert_drained(core)
 
 
-def test_quantization_fp8_on_the_tiny_llama_is_its_dequantized_model(tiny_llama, tokenizer,
-                                                                    tmp_path):
-    """The tiny Llama with --quantization fp8 against Hugging Face running it with each
-    decoder weight replaced by its quantized-then-dequantized self (quantize_rows: the
-    engine's quantizer, tested against a plain reference in test_fp8.py)."""
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2"])
+def test_quantization_fp8_is_the_dequantized_model(request, family, tmp_path):
+    """The tiny Llama (and the tiny Qwen2, q/k/v biases kept in full precision) with
+    --quantization fp8 against Hugging Face running it with each decoder weight replaced by
+    its quantized-then-dequantized self (quantize_rows: the engine's quantizer, tested
+    against a plain reference in test_fp8.py); chunked and preempted."""
+    folder = request.getfixturevalue(family)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.rsplit(".", 2)[-2] in LINEARS:
+            if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS:
                 p.copy_(dequantize(*quantize_rows(p), torch.float32))
     model.save_pretrained(tmp_path / "dequantized")
-    core = engine(tiny_llama, num_kv_blocks=14, block_size=8, max_num_batched_tokens=32,
+    core = engine(folder, num_kv_blocks=14, block_size=8, max_num_batched_tokens=32,
                   quantization="fp8")
     assert isinstance(core.runner.decoder.layers[0].mlp.down_proj, Fp8Linear)
-    prompts = make_prompts(tokenizer, n=12)
+    prompts = make_prompts(AutoTokenizer.from_pretrained(str(folder)), n=12)
     results = submit_and_run(core, prompts, prompt_logprobs=True)
     stats = core.stats()
     assert stats.chunked_prefills > 0 and stats.preemptions > 0, stats
