@@ -1,11 +1,13 @@
 """fp8 weights through the whole engine on the CPU (where each product runs on the dequantized
 weight): an fp8 checkpoint's greedy tokens and logprobs equal Hugging Face's on the same model
 with its dequantized weights, for compressed-tensors per channel (one layer ignored) and per
-tensor with static input scales, and the fp8 method; `--quantization fp8` on the tiny Llama and Qwen2
-equals Hugging Face with its weights quantized and dequantized, and on a small Llama,
-re-scored by the full-precision model (teacher-forced), keeps every token in its top 20 and
-most at its argmax; two tensor-parallel ranks give one device's tokens; unsupported
-checkpoints are refused at start-up with their name."""
+tensor with static input scales, and the fp8 method; `--quantization fp8` on the tiny Llama
+and Qwen2 equals Hugging Face with their weights quantized and dequantized, and on a small
+Llama, re-scored by the full-precision model (teacher-forced), keeps every token in its top
+20 and most at its argmax; the GPU's path (torch._scaled_mm, run by torch on the CPU) uses a
+checkpoint's static input scales as given; two tensor-parallel ranks give one device's
+tokens; a draft model keeps its own precision; unsupported checkpoints are refused at start-up
+with their name."""
 
 from __future__ import annotations
 
