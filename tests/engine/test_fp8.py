@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
-from engine_core.layers.fp8 import Fp8Linear, dequantize, quantize_rows
+from engine_core.layers.fp8 import Fp8Linear
 from engine_core.worker.platform import Platform
 from shared.speculative import parse_speculative_config
 from tests.engine.test_hf_parity import (
@@ -35,6 +35,7 @@ from tests.engine.test_hf_parity import (
 )
 from tests.unit.engine_core.models.fp8_checkpoints import (
     LINEARS,
+    dequantized_copy,
     small_llama,
     write_fp8_checkpoint,
 )
@@ -70,12 +71,7 @@ def test_quantization_fp8_is_the_dequantized_model(request, family, tmp_path):
     its quantized-then-dequantized self (quantize_rows: the engine's quantizer, tested
     against a plain reference in test_fp8.py); chunked and preempted."""
     folder = request.getfixturevalue(family)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS:
-                p.copy_(dequantize(*quantize_rows(p), torch.float32))
-    model.save_pretrained(tmp_path / "dequantized")
+    dequantized = dequantized_copy(folder, tmp_path / "dequantized")
     core = engine(folder, num_kv_blocks=14, block_size=8, max_num_batched_tokens=32,
                   quantization="fp8")
     assert isinstance(core.runner.decoder.layers[0].mlp.down_proj, Fp8Linear)
@@ -83,7 +79,7 @@ def test_quantization_fp8_is_the_dequantized_model(request, family, tmp_path):
     results = submit_and_run(core, prompts, prompt_logprobs=True)
     stats = core.stats()
     assert stats.chunked_prefills > 0 and stats.preemptions > 0, stats
-    assert_parity(results, prompts, Reference(tmp_path / "dequantized"))
+    assert_parity(results, prompts, Reference(dequantized))
     assert_drained(core)
 
 

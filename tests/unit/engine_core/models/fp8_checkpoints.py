@@ -92,3 +92,19 @@ def write_fp8_checkpoint(root: Path, fmt: str, static: bool = False, seed: int =
             model.get_parameter(name).copy_(w)
     model.save_pretrained(reference)
     return Fp8Checkpoint(folder, reference, stored)
+
+
+def dequantized_copy(folder: Path, out: Path) -> Path:
+    """`folder`'s model with each decoder linear weight replaced by its quantized-then-
+    dequantized self (the engine's `quantize_rows`, tested against a plain reference in
+    tests/unit/engine_core/layers/test_fp8.py), saved to `out`: what `--quantization fp8`
+    computes on the CPU."""
+    from engine_core.layers.fp8 import dequantize, quantize_rows
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS:
+                p.copy_(dequantize(*quantize_rows(p), torch.float32))
+    model.save_pretrained(out)
+    return out
