@@ -44,6 +44,7 @@ class EngineConfig:
     max_loras: int = 1  # adapters on the device at once (vLLM's default)
     max_lora_rank: int = 16  # vLLM's default
     max_cpu_loras: int | None = None  # adapters kept in host memory; None: max_loras
+    quantization: str | None = None  # "fp8": the decoder's weights quantized as they load
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
@@ -69,5 +70,7 @@ class EngineConfig:
             raise ValueError("--enable-lora: not yet with --tensor-parallel-size above 1")
         if self.runner not in ("generate", "pooling"):
             raise ValueError(f"runner {self.runner!r}: generate or pooling")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"--quantization {self.quantization!r}: choose fp8")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: choose auto, cpu or cuda")

@@ -109,6 +109,13 @@ _ENGINE_FLAGS = (
         "type": int, "default": None,
         "help": "adapters kept in host memory (default: --max-loras), the rest read again "
                 "from their folder when needed"}),
+    (("--quantization", "-q"), {
+        "default": None, "choices": ["fp8"],
+        "help": "fp8: the decoder's linear weights quantized to fp8 (e4m3, a scale per output "
+                "channel) as they load, activations per token, products on the fp8 GEMM of a "
+                "GPU of compute capability 8.9+ (elsewhere dequantized per product: correct, "
+                "not fast). An fp8 checkpoint (compressed-tensors float-quantized, or fp8) "
+                "loads as it is stored, with or without this flag"}),
     ("--kv-events-config", {
         "default": None,
         "help": "publish the prefix cache's changes as vLLM's KV-cache events, for external "

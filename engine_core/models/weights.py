@@ -8,6 +8,14 @@ reads only its slice of each tensor (the class's `tp_slice`), through safetensor
 `get_slice`. Every place must be filled once and every tensor must have a place (a tied LM
 head's copy and transformers' rotary buffers excepted): a checkpoint that does not fit the
 class is an error that names the tensor.
+
+With fp8 (models/quantization.py) the decoder's linears are `Fp8Linear`s: an fp8 checkpoint's
+weights and scales are copied as they are stored (a per-tensor scale into every row of its
+part, so q, k and v with their own scales make one per-channel vector of the merged product;
+static input scales of the parts merged by their max), and a full-precision checkpoint's are
+quantized tensor by tensor as they are read (`quantize_rows`), so the whole model is never in
+memory in both forms. A row-parallel rank quantizes whole rows before it keeps its columns,
+so every rank holds the weights one device would.
 """
 
 from __future__ import annotations
@@ -22,9 +30,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine_core.layers.fp8 import FP8, quantize_rows
 from engine_core.models.parts import ModelKit, Part, Slice
+from engine_core.models.quantization import Fp8Scheme, fp8_linears
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # computed, in old checkpoints
+SCALES = (".weight_scale", ".input_scale")
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -62,11 +73,18 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(cls: Any, config: Any, kit: ModelKit, files: list[Path], dtype: torch.dtype,
-               device: torch.device, positions: int) -> Any:
+               device: torch.device, positions: int, fp8: Fp8Scheme | None = None,
+               scaled_mm: bool = False) -> Any:
     """`cls(config, kit)` with its weights from `files`, in `dtype` on `device`, ready for
-    `positions` positions."""
+    `positions` positions; with `fp8`, its decoder's linears in fp8 (on the fp8 GEMM where
+    `scaled_mm`)."""
     with torch.device("meta"), _default_dtype(dtype):
         model = cls(config, kit)
+        if fp8 is not None:
+            merged: dict[str, list[str]] = {}
+            for source, part in model.packed().items():
+                merged.setdefault(part.target, []).append(source)
+            fp8_linears(model, fp8, scaled_mm, merged)
     model = model.to_empty(device=device).eval().requires_grad_(False)
     load_weights(model, files, device)
     model.model.prepare(positions)
@@ -81,6 +99,9 @@ def load_weights(model: nn.Module, files: list[Path], device: torch.device) -> N
     where = str(device) if device.type == "cpu" or device.index is not None else \
         f"{device.type}:{torch.cuda.current_device()}"
     with torch.no_grad():
+        for scale_name, param in params.items():
+            if scale_name.endswith(".input_scale"):  # the parts' static scales merge by max
+                param.zero_()
         for file in files:
             with safe_open(str(file), framework="pt", device=where) as f:
                 for key in f.keys():
@@ -90,10 +111,22 @@ def load_weights(model: nn.Module, files: list[Path], device: torch.device) -> N
                     if name not in params:
                         raise ValueError(f"{file.name}: {key} has no place in "
                                          f"{type(model).__name__}")
+                    shard = -1 if part is None else part.shard
+                    if name.endswith(SCALES):
+                        _load_scale(model, params, name, part, f.get_tensor(key), key)
+                        filled.add((name, shard))
+                        continue
                     target: torch.Tensor = params[name]
                     if part is not None:
                         target = target.narrow(0, *part.rows)
                     cut = model.tp_slice(name, part)  # type: ignore[operator]
+                    if target.dtype == FP8 and f.get_slice(key).get_dtype() != "F8_E4M3":
+                        scale_name = name[:-len("weight")] + "weight_scale"
+                        scale = params[scale_name]
+                        _quantize_into(target, scale if part is None
+                                       else scale.narrow(0, *part.rows), f, key, cut)
+                        filled |= {(name, shard), (scale_name, shard)}
+                        continue
                     if cut is None:
                         tensor = f.get_tensor(key)
                     else:
@@ -102,8 +135,12 @@ def load_weights(model: nn.Module, files: list[Path], device: torch.device) -> N
                     if target.shape != tensor.shape:
                         raise ValueError(f"{file.name}: {key} is {tuple(tensor.shape)}, its "
                                          f"place {name} {tuple(target.shape)}")
+                    if tensor.dtype == FP8 and target.dtype != FP8:
+                        raise ValueError(f"{file.name}: {key} is stored in fp8, but its place "
+                                         f"{name} is not quantized here (only the decoder's "
+                                         f"linear layers are)")
                     target.copy_(tensor)
-                    filled.add((name, -1 if part is None else part.shard))
+                    filled.add((name, shard))
     expected = {(name, i) for name, count in _places(params, packed)
                 for i in (range(count) if count else [-1])}
     missing = sorted({name for name, _ in expected - filled})
@@ -146,3 +183,40 @@ def _read_slice(f: Any, key: str, cut: Slice) -> torch.Tensor:
     whole = f.get_slice(key)
     span = slice(cut.start, cut.start + cut.size)
     return whole[span] if cut.dim == 0 else whole[:, span]
+
+
+def _quantize_into(target: torch.Tensor, scale: torch.Tensor, f: Any, key: str,
+                   cut: Slice | None) -> None:
+    """Full-precision checkpoint tensor `key`, this rank's part of it, quantized per row into
+    `target` (e4m3) and `scale`: whole rows first, then a row-parallel rank's columns."""
+    q, scales = quantize_rows(f.get_tensor(key) if cut is None or cut.dim == 1
+                              else _read_slice(f, key, cut))
+    if cut is not None and cut.dim == 1:
+        q = q.narrow(1, cut.start, cut.size)
+    if target.shape != q.shape:
+        raise ValueError(f"{key} is {tuple(q.shape)} here, its place {tuple(target.shape)}")
+    target.copy_(q)
+    scale.copy_(scales)
+
+
+def _load_scale(model: Any, params: dict[str, nn.Parameter], name: str, part: Part | None,
+                tensor: torch.Tensor, key: str) -> None:
+    """A checkpoint's `weight_scale` (one per tensor, or one per output channel) into its rows
+    of the layer's per-channel scales, this rank's rows where the layer's outputs are split;
+    an `input_scale` into the layer's, the largest of a merged product's parts'."""
+    target: torch.Tensor = params[name]
+    values = tensor.float().reshape(-1)
+    if name.endswith(".input_scale"):
+        if values.numel() != 1:
+            raise ValueError(f"{key} has {values.numel()} values: static input scales are "
+                             "supported per tensor only")
+        target.copy_(torch.maximum(target, values[0]))
+        return
+    if part is not None:
+        target = target.narrow(0, *part.rows)
+    cut = model.tp_slice(name[:-len("_scale")], part)
+    if values.numel() > 1 and cut is not None and cut.dim == 0:  # column-parallel channels
+        values = values[cut.start:cut.start + cut.size]
+    if values.numel() not in (1, target.numel()):
+        raise ValueError(f"{key} has {values.numel()} values for {target.numel()} channels")
+    target.copy_(values.expand(target.shape) if values.numel() == 1 else values)

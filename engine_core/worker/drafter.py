@@ -51,8 +51,10 @@ class Drafter:
                  target_vocab: int) -> None:
         spec = config.speculative
         assert spec is not None and spec.model is not None
+        # --quantization is the target's: the draft loads as its own checkpoint says (fp8
+        # only if it is an fp8 checkpoint)
         draft_config = dataclasses.replace(config, model=spec.model, speculative=None,
-                                           tensor_parallel_size=1)
+                                           quantization=None, tensor_parallel_size=1)
         hf_config = AutoConfig.from_pretrained(spec.model,
                                                trust_remote_code=config.trust_remote_code)
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config

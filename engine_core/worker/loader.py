@@ -27,6 +27,7 @@ from engine_core.layers import attention, attention_cuda
 from engine_core.layers.parallel import TensorParallel
 from engine_core.models import model_class
 from engine_core.models.parts import ModelKit, Part
+from engine_core.models.quantization import fp8_scheme
 from engine_core.models.weights import checkpoint_files, load_model, local_folder
 from engine_core.worker.platform import AttentionBackend, Platform
 
@@ -78,16 +79,22 @@ def load(config: EngineConfig, hf_config: Any, platform: Platform, max_model_len
         raise ValueError(f"--tensor-parallel-size {tp.size} needs Tandem's own model file and "
                          f"a safetensors checkpoint; this model runs through transformers "
                          f"({why})")
+    fp8 = fp8_scheme(hf_config, config.quantization)
+    if fp8 is not None and not files:
+        raise ValueError(f"fp8 weights need Tandem's own model file and a safetensors "
+                         f"checkpoint; this model runs through transformers ({why})")
     if files:
         cls = model_class(hf_config)
         kit = ModelKit(platform.layer_ops(),
                        attention_cuda.attend if platform.attention == "cuda" else attention.attend,
                        tp)
         own = load_model(cls, hf_config, kit, files, platform.dtype, platform.device,
-                         max_model_len)
+                         max_model_len, fp8, platform.fp8_scaled_mm)
+        quantized = "" if fp8 is None else ", " + fp8.describe() + (
+            " on torch._scaled_mm" if platform.fp8_scaled_mm else ", dequantized per product")
         return Loaded(own.model, Head(own.head_weight, None, None), own.model,
                       f"Tandem's {cls.__module__.rsplit('.', 1)[-1]}.py with "
-                      f"{type(kit.ops).__name__}", own.packed())
+                      f"{type(kit.ops).__name__}{quantized}", own.packed())
     model: Any = AutoModelForCausalLM.from_pretrained(
         config.model, config=hf_config, dtype=platform.dtype,
         attn_implementation=ATTENTION_NAMES[platform.attention],

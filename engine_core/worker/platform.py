@@ -86,6 +86,9 @@ class Platform:
     # speculative decoding proposes nothing while more requests run (unless
     # disable_by_batch_size says): where verifying a row still costs less than it saves
     speculation_max_batch: int = 4
+    # fp8 weights' products on torch._scaled_mm (engine_core/layers/fp8.py): a GPU of compute
+    # capability 8.9+ (Ada, Hopper and later) serving bf16; elsewhere dequantized per product
+    fp8_scaled_mm: bool = False
     # The LM head's compiled CPU kernels, loaded once; None: torch ops do the head.
     head_kernels: native.Kernels | None = field(default=None, compare=False, repr=False)
 
@@ -144,6 +147,7 @@ class Platform:
             triton_ops=env.get("TANDEM_TRITON_OPS", "1") != "0",
             speculation_max_batch=(SPEC_MAX_BATCH_GPU if device.type == "cuda"
                                    else SPEC_MAX_BATCH_CPU),
+            fp8_scaled_mm=fp8_gemm(device, dtype),
             head_kernels=kernels,
         )
         if config.enable_lora:  # (the plain LoRA path reads the step's rows on the host)
@@ -240,6 +244,13 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for but torch sees no CUDA device")
     return torch.device(name)
+
+
+def fp8_gemm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this device multiplies fp8 with rowwise scales into `dtype`: cuBLASLt's fp8
+    GEMM needs compute capability 8.9, and its rowwise scaling gives bf16 only."""
+    return (device.type == "cuda" and dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -4,13 +4,15 @@ done), and the checks every stage makes of an engine's run (`check_run`).
 
 On the CPU (the dry run) the engines run the CUDA path's code, as far as the CPU can: the
 device sampler, the CUDA attention with its kernels' references, the CUDA-graph runner's
-eager stand-in, overlapped steps in the "async" variant. So the dry run rehearses what the
+eager stand-in, overlapped steps in the "async" variant, fp8 products on torch._scaled_mm
+(which torch's CPU build runs too). So the dry run rehearses what the
 GPU will run, not only the CPU's own path."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,14 @@ class Sizes:
     spec_batch: int = 64
     spec_batch_input_len: int = 512
     spec_batch_output_len: int = 128
+    # the fp8 stage (check_fp8.py): requests at once for its tokens/s and their lengths; its
+    # teacher-forced prompts and their tokens; its engines' KV cache (None: kv_cache_bytes)
+    fp8_batch: int = 256
+    fp8_input_len: int = 1024
+    fp8_output_len: int = 128
+    fp8_prompts: int = 16
+    fp8_new_tokens: int = 32
+    fp8_kv_cache_bytes: int | None = None
     # the kernels stage's (decodes, context) cases
     # the last: a context that fills neither a block (16) nor a tile (64), for the masking
     kernel_cases: tuple[tuple[int, int], ...] = ((64, 1024), (1, 32768), (3, 1061))
@@ -100,21 +110,25 @@ class Context:
             raise RuntimeError("no model: the build stage did not finish")
         return str(self.model_dir)
 
-    def engine(self, dtype: str, variant: str = "graphs") -> EngineCore:
+    def engine(self, dtype: str, variant: str = "graphs",
+               options: Mapping[str, Any] | None = None) -> EngineCore:
         """The in-process engine for `dtype` ("float32" | "bfloat16") and `variant` (VARIANTS),
-        made on first use."""
-        key = f"{dtype}/{variant}"
+        with `options` (more EngineConfig fields, e.g. quantization="fp8"), made on first
+        use."""
+        extra = dict(options or {})
+        key = f"{dtype}/{variant}" + "".join(f"/{k}={v}" for k, v in sorted(extra.items()))
         if key not in self.engines:
-            config = EngineConfig(
-                model=self.model, dtype=dtype, device=self.device,
-                kv_cache_memory=self.sizes.kv_cache_bytes,
-                max_num_batched_tokens=self.sizes.step_tokens, num_threads=self.sizes.threads,
-                max_model_len=self.sizes.max_model_len, enforce_eager=variant == "eager",
-                async_scheduling=variant == "async")
+            config = EngineConfig(**{
+                "model": self.model, "dtype": dtype, "device": self.device,
+                "kv_cache_memory": self.sizes.kv_cache_bytes,
+                "max_num_batched_tokens": self.sizes.step_tokens,
+                "num_threads": self.sizes.threads, "max_model_len": self.sizes.max_model_len,
+                "enforce_eager": variant == "eager", "async_scheduling": variant == "async",
+                **extra})
             platform = Platform.detect(config)
             if self.device == "cpu":  # rehearse the GPU's code paths (the module docstring)
                 platform = dataclasses.replace(
-                    platform, attention="cuda", device_sampling=True,
+                    platform, attention="cuda", device_sampling=True, fp8_scaled_mm=True,
                     cuda_graph_sizes=() if variant == "eager" else capture_sizes(
                         platform.max_num_seqs, (1, 2, 4, 8, 16)))
             self.engines[key] = EngineCore(config, platform)

@@ -12,7 +12,7 @@ static-cache forward loop replayed from a CUDA graph at batch 64 (tests/device/g
 checked to replay its eager loop), a profiler table of engine decode steps and the host time
 of mixed steps, `tandem bench serve` at c256, c64 and c1 against one real `tandem serve`, and
 speculative decoding (n-gram) against the plain engine on a model that copies its prompt
-(tests/device/check_spec.py).
+(tests/device/check_spec.py), and fp8 weights against bf16 (tests/device/check_fp8.py).
 Each speed figure stands beside its roofline (tests/device/roofline.py) and issue 39's targets
 (tests/device/targets.py). Without a GPU (or with --dry-run) the same stages run on the CPU at
 a tiny size, through the GPU's code paths where the CPU can run them (the device sampler, the
@@ -48,6 +48,7 @@ import torch
 
 from engine_core.worker.default_model import LLAMA32_1B_SHAPE, TinySpec
 from tests.device import (
+    check_fp8,
     check_kernels,
     check_parity,
     check_serve,
@@ -76,7 +77,7 @@ DEVICE_SIZES = Sizes(
     spec=LLAMA32_1B_SHAPE, parity_prompts=24, parity_new_tokens=16, long_prompts=4,
     long_prompt_len=3000, step_tokens=None, kv_cache_bytes=8 * GIB, batch=64, input_len=256,
     output_len=128, timed_steps=10, profile_steps=5, serve_runs=SERVE_RUNS,
-    serve_kv_cache_bytes=None, time_limit_s=480.0)
+    serve_kv_cache_bytes=None, time_limit_s=480.0, fp8_kv_cache_bytes=16 * GIB)
 
 # Weights drawn wider than the 1B shape's 0.02: with 0.02 this small model only repeats its last
 # token, whatever its positions and cache, and a wrong graph loop still gave the eager tokens;
@@ -94,7 +95,8 @@ DRY_SIZES = Sizes(
         for run, (c, n, i, o) in zip(SERVE_RUNS, ((8, 16, 32, 4), (4, 8, 32, 4), (1, 2, 16, 8)))),
     serve_kv_cache_bytes=64 << 20, time_limit_s=300.0, threads=1, structured_new_tokens=32,
     max_model_len=512, mixed_steps=2, spec_cycle=16, spec_prompts=1, spec_output_len=24,
-    spec_batch=8, spec_batch_input_len=16, spec_batch_output_len=8)  # (above the CPU's bound)
+    spec_batch=8, spec_batch_input_len=16, spec_batch_output_len=8,  # (above the CPU's bound)
+    fp8_batch=8, fp8_input_len=32, fp8_output_len=4, fp8_prompts=4, fp8_new_tokens=8)
 
 STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {
     "build": check_parity.build,
@@ -106,6 +108,7 @@ STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {
     "profile": check_speed.profile,
     "serve": check_serve.serve,
     "spec": check_spec.spec,
+    "fp8": check_fp8.fp8,
 }
 
 

@@ -217,11 +217,20 @@ def _spec(r: dict[str, Any]) -> str:
             f"({cb['ngram'] / cb['plain']:.2f}×)")
 
 
+def _fp8(r: dict[str, Any]) -> str:
+    bf16, fp8 = r["engines"]["bf16"], r["engines"]["fp8"]
+    agree = r["argmax_agreement"]
+    return (f"fp8 ({fp8['linear']}) vs bf16: decode step {bf16['decode_step_ms']:.2f} → "
+            f"{fp8['decode_step_ms']:.2f} ms; batch {bf16['batch']['tok_s']:.0f} → "
+            f"{fp8['batch']['tok_s']:.0f} tok/s; teacher-forced argmax agreement with bf16 "
+            f"{agree['fp8']:.3f} (bf16 engine's own {agree['bf16']:.3f})")
+
+
 _FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
     "build": _build, "kernels": _kernels, "parity_fp32": _fp32, "parity_bf16": _bf16,
     "structured": _structured,
     "throughput": _throughput,
-    "profile": _profile, "serve": _serve, "spec": _spec,
+    "profile": _profile, "serve": _serve, "spec": _spec, "fp8": _fp8,
 }
 
 

@@ -57,6 +57,14 @@ def test_every_stage_runs_and_parity_holds(dry_run: tuple[int, Path, str]) -> No
     assert int(spec["chain_tokens_followed"].split("/")[0]) >= 16
     assert 0 < spec["spec_accepted_tokens"] <= spec["spec_draft_tokens"]
     assert len(spec["targets"]) == 2 and spec["batch_tok_s"]["ngram"] > 0
+    fp8 = stages["fp8"]  # the GPU's fp8 products (torch._scaled_mm) rehearsed on the CPU
+    assert fp8["engines"]["fp8"]["linear"] == "scaled_mm"
+    assert fp8["engines"]["bf16"]["linear"] != "scaled_mm"
+    for engine in fp8["engines"].values():
+        assert engine["batch"]["tokens"] == DRY_SIZES.fp8_batch * DRY_SIZES.fp8_output_len
+        assert engine["decode_step_ms"] > 0
+    assert fp8["scored_tokens"] == DRY_SIZES.fp8_prompts * DRY_SIZES.fp8_new_tokens
+    assert 0.5 <= fp8["argmax_agreement"]["fp8"] <= 1 and len(fp8["targets"]) == 3
 
 
 def test_the_graph_loop_replays_the_eager_loop(dry_run: tuple[int, Path, str]) -> None:

@@ -54,6 +54,14 @@ def test_vllm_aliases_reach_the_engine_under_tandems_names() -> None:
     assert argv[argv.index("--num-kv-blocks") + 1] == "7"
 
 
+def test_quantization_reaches_the_engine() -> None:
+    argv = engine_argv(engine_parser().parse_args(["-q", "fp8"]))
+    assert argv[argv.index("--quantization") + 1] == "fp8"
+    assert "--quantization" not in engine_argv(engine_parser().parse_args([]))
+    with pytest.raises(SystemExit):  # argparse names the choices
+        engine_parser().parse_args(["--quantization", "gptq"])
+
+
 @pytest.mark.parametrize(("flags", "problem"), [
     (["--tensor-parallel-size", "0"], "at least 1"),
     (["--max-logprobs", "21"], "between 0 and 20"),
