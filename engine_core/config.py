@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.engine_args import KV_CACHE_DTYPES
 from shared.speculative import SpeculativeConfig
 
 
@@ -35,6 +36,8 @@ class EngineConfig:
     async_scheduling: bool | None = None  # overlapped steps; None: the platform's default
     speculative: SpeculativeConfig | None = None  # --speculative-config
     tensor_parallel_size: int = 1  # ranks the model is split over (worker/tensor_parallel.py)
+    kv_cache_dtype: str = "auto"  # auto (the model's) | fp8 | fp8_e4m3 (layers/quant/fp8_kv.py)
+    calculate_kv_scales: bool = False  # fp8 scales from the first batch's K/V, not 1.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
@@ -52,5 +55,11 @@ class EngineConfig:
                              "transformers")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported: "
+                             "choose auto, fp8 or fp8_e4m3")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("--calculate-kv-scales needs an fp8 KV cache (--kv-cache-dtype "
+                             "fp8)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: choose auto, cpu or cuda")

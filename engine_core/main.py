@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             speculative=(None if args.speculative_config is None
                          else parse_speculative_config(args.speculative_config)),
             cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
-            tensor_parallel_size=args.tensor_parallel_size)
+            tensor_parallel_size=args.tensor_parallel_size,
+            kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales)
         core = EngineCore(config)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"tandem engine: cannot start: {e}", file=sys.stderr)
