@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.engine_args import KV_CACHE_DTYPES
 from shared.lora import LoRAModule
 from shared.messages import Pooling
 from shared.speculative import SpeculativeConfig
@@ -45,6 +46,8 @@ class EngineConfig:
     max_lora_rank: int = 16  # vLLM's default
     max_cpu_loras: int | None = None  # adapters kept in host memory; None: max_loras
     quantization: str | None = None  # "fp8": the decoder's weights quantized as they load
+    kv_cache_dtype: str = "auto"  # auto (the model's) | fp8 | fp8_e4m3 (layers/quant/fp8_kv.py)
+    calculate_kv_scales: bool = False  # fp8 scales from the first batch's K/V, not 1.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests",
@@ -72,5 +75,11 @@ class EngineConfig:
             raise ValueError(f"runner {self.runner!r}: generate or pooling")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"--quantization {self.quantization!r}: choose fp8")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported: "
+                             "choose auto, fp8 or fp8_e4m3")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("--calculate-kv-scales needs an fp8 KV cache (--kv-cache-dtype "
+                             "fp8)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: choose auto, cpu or cuda")

@@ -429,6 +429,7 @@ class EngineCore:
             chunked_prefills=self.scheduler.num_chunked_prefills,
             finished=dict(progress.finished),
             rejected=dict(self.counts.rejected),
+            cache_dtype=self.config.kv_cache_dtype,
         )
 
 

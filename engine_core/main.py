@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             pooler=parse_pooler_config(args.pooler_config),
             enable_lora=args.enable_lora, lora_modules=parse_lora_modules(args.lora_modules),
             max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-            max_cpu_loras=args.max_cpu_loras, quantization=args.quantization)
+            max_cpu_loras=args.max_cpu_loras, quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales)
         core = EngineCore(config)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"tandem engine: cannot start: {e}", file=sys.stderr)

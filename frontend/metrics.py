@@ -4,8 +4,9 @@ Design. The engines are the source of truth. At scrape time the frontend asks ev
 engine for "stats" (the handler is in `frontend.server`) and `render` writes them with vLLM's
 metric names, each series labelled with its engine's rank (`engine="K"`, vLLM's label; one
 engine is engine "0"): the gauges (running, waiting, KV cache usage), counters (tokens, finished
-requests by reason, prefix cache, preemptions) and `vllm:cache_config_info` (block size and
-block count, what llm-d's endpoint picker reads next to the queue gauges) are the engine's own.
+requests by reason, prefix cache, preemptions) and `vllm:cache_config_info` (block size,
+`cache_dtype` and block count, what llm-d's endpoint picker reads next to the queue gauges)
+are the engine's own.
 With speculative decoding (the engines' `Ready` says how many tokens a draft has), vLLM's
 `spec_decode` counters too, with vLLM's help texts and a series per draft position, and only
 then, as vLLM creates them only with a speculative config (`tests/data/spec_decode/` holds the
@@ -83,7 +84,8 @@ class _EngineSeries:
 
     def families(self, stats: EngineStats) -> Iterator[Metric]:
         yield self._info("vllm:cache_config_info", "The KV cache's configuration.", {
-            "block_size": str(stats.block_size), "num_gpu_blocks": str(stats.num_blocks)})
+            "block_size": str(stats.block_size), "cache_dtype": stats.cache_dtype or "auto",
+            "num_gpu_blocks": str(stats.num_blocks)})
         yield self._gauge("vllm:num_requests_running", "Requests running in the engine now.",
                           stats.running)
         yield self._gauge("vllm:num_requests_waiting", "Requests queued for a slot now.",

@@ -14,6 +14,8 @@ from shared.messages import MAX_LOGPROBS
 from shared.pooling import PoolerConfigError, check_runner, parse_pooler_config
 from shared.speculative import SpeculativeConfigError, parse_speculative_config
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # engine_core/quant/fp8_kv.py stores fp8
+
 _ENGINE_FLAGS = (
     ("--served-model-name", {
         "default": None, "help": "model name the API answers to (default: MODEL)"}),
@@ -48,6 +50,16 @@ _ENGINE_FLAGS = (
         "help": "share of the GPU's whole memory the engine may hold (weights, activations, "
                 "KV cache), as vLLM defines it; the KV cache gets what a profiled step at the "
                 "largest budget leaves (default: 0.9)"}),
+    ("--kv-cache-dtype", {
+        "default": "auto",
+        "help": "the KV cache's element type: auto (the model's dtype), fp8 or fp8_e4m3 "
+                "(float8 e4m3: twice the tokens of bf16 in the same memory; one scale per "
+                "layer for K and one for V, from the checkpoint's k_scale/v_scale where it has "
+                "them, else 1.0 or --calculate-kv-scales)"}),
+    ("--calculate-kv-scales", {
+        "action": "store_true",
+        "help": "with an fp8 KV cache and no scales in the checkpoint: each layer's scales "
+                "from the first batch's K and V (|K|max / 200, |V|max / 100, as vLLM)"}),
     ("--enable-prefix-caching", {
         "action": argparse.BooleanOptionalAction, "default": True,
         "help": "reuse KV blocks of shared prompt prefixes"}),
@@ -176,6 +188,11 @@ def check_engine_args(args: argparse.Namespace) -> str | None:
     """What is wrong with engine flags that parse but cannot be served, or None."""
     if args.tensor_parallel_size < 1:
         return f"--tensor-parallel-size {args.tensor_parallel_size}: at least 1"
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        return (f"--kv-cache-dtype {args.kv_cache_dtype!r} is not supported: choose auto (the "
+                "model's dtype), fp8 or fp8_e4m3 (float8 e4m3)")
+    if args.calculate_kv_scales and args.kv_cache_dtype == "auto":
+        return "--calculate-kv-scales needs an fp8 KV cache: add --kv-cache-dtype fp8"
     if args.max_logprobs is not None and not 0 <= args.max_logprobs <= MAX_LOGPROBS:
         return f"--max-logprobs {args.max_logprobs}: between 0 and {MAX_LOGPROBS}"
     utilization = args.gpu_memory_utilization

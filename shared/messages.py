@@ -207,6 +207,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True, gc=False):
     step_errors: int = 0  # steps that raised (their requests finished with "error")
     frontends_lost: int = 0  # frontends gone silent whose requests the engine aborted
     block_size: int = 0  # tokens per KV-cache block
+    cache_dtype: str = ""  # --kv-cache-dtype (vLLM's cache_dtype label); "" is "auto"
     kv_events_dropped: int = 0  # KV-event batches the publisher had no room for
     # speculative decoding (vLLM's spec_decode counters): drafts verified (one per request
     # per step that had any), their tokens, the tokens accepted, and of those, how many at

@@ -15,6 +15,11 @@ attends:
 `attend` is the portable torch path (CPU, and CUDA fallback) for Tandem's own models, which
 write the step's K/V themselves (ops.py, `rope_and_cache`); `paged_attention` wraps it for
 the models that run through transformers' module tree (as its attention interface).
+
+An fp8 cache (--kv-cache-dtype fp8, quant/fp8_kv.py) is quantized as it is written and the blocks
+each call reads are dequantized after the gather (a first chunk's own K/V rounded as the cache
+holds them): correctness, not speed (the compiled decode kernel reads float32 only, so an fp8
+cache's decodes take the SDPA path).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from engine_core.layers import native
+from engine_core.quant import fp8_kv
+from engine_core.quant.fp8_kv import KVScales
 
 
 @dataclass
@@ -51,18 +58,26 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [slots, Hkv, D] each
     decode_kernels: native.Kernels | None = None  # the compiled CPU kernels' decode attention
+    kv_scales: KVScales | None = None  # an fp8 cache's scales (quant/fp8_kv.py)
+
+    def scales(self, layer: int) -> torch.Tensor | None:
+        """Layer `layer`'s row of fp8 scales, None without them."""
+        return None if self.kv_scales is None else self.kv_scales.row(layer)
 
 
 def build_metadata(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndarray,
                    block_size: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                   device: torch.device, decode_kernels: native.Kernels | None = None
-                   ) -> tuple[AttentionMetadata, np.ndarray]:
+                   device: torch.device, decode_kernels: native.Kernels | None = None,
+                   kv_scales: KVScales | None = None) -> tuple[AttentionMetadata, np.ndarray]:
     """Metadata for one step. Returns it with the positions of the packed tokens.
 
     starts[i], num_new[i]: request i computes positions [starts[i], starts[i] + num_new[i]).
     block_table: [B, max_blocks] block ids (rows padded with 0). With `decode_kernels` (CPU,
-    float32) the decodes run on their compiled kernel.
+    float32) the decodes run on their compiled kernel, which reads a float32 cache only: an
+    fp8 cache's decodes take the SDPA path.
     """
+    if kv_caches and fp8_kv.is_fp8(kv_caches[0][0]):
+        decode_kernels = None
     if len(num_new) and bool((num_new == 1).all()):  # decodes only: row i is token i
         positions = starts
         slot_mapping = (block_table[np.arange(len(starts)), starts // block_size] * block_size
@@ -107,6 +122,7 @@ def build_metadata(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndar
         prefills=prefills,
         kv_caches=kv_caches,
         decode_kernels=decode_kernels,
+        kv_scales=kv_scales,
     )
     return meta, positions
 
@@ -136,8 +152,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     layer: int = module.layer_idx  # type: ignore[assignment]
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
     k_cache, v_cache = tandem_meta.kv_caches[layer]
-    k_cache.index_copy_(0, tandem_meta.slot_mapping, k)
-    v_cache.index_copy_(0, tandem_meta.slot_mapping, v)
+    if tandem_meta.kv_scales is not None:
+        tandem_meta.kv_scales.calibrate(layer, k, v)
+    fp8_kv.write(k_cache, v_cache, tandem_meta.slot_mapping, k, v, tandem_meta.scales(layer))
     q = query[0].transpose(0, 1)  # [T, H, D]
     return attend(layer, q, k, v, scaling or q.shape[-1] ** -0.5, tandem_meta)[None], None
 
@@ -148,6 +165,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     step's own keys and values k, v [T, Hkv, D] already in the cache; into `out` [T, H, D]
     when given. (The attention backend of Tandem's own models, engine_core/models/.)"""
     k_cache, v_cache = meta.kv_caches[layer]
+    scales = meta.scales(layer)
     out = torch.empty_like(q) if out is None else out
     blocks_k = k_cache.view(-1, meta.block_size, *k_cache.shape[1:])  # [blocks, bs, Hkv, D]
     blocks_v = v_cache.view(-1, meta.block_size, *v_cache.shape[1:])
@@ -159,6 +177,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
         qd = q[meta.decode_rows].unsqueeze(2)  # [Bd, H, 1, D]
         kd = blocks_k.index_select(0, meta.decode_blocks).view(bd, -1, *k_cache.shape[1:])
         vd = blocks_v.index_select(0, meta.decode_blocks).view(bd, -1, *v_cache.shape[1:])
+        kd, vd = fp8_kv.read(kd, scales, 0, q.dtype), fp8_kv.read(vd, scales, 1, q.dtype)
         od = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
                                             attn_mask=meta.decode_mask, scale=scale,
                                             enable_gqa=True)
@@ -166,10 +185,12 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     for chunk in meta.prefills:
         qp = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if chunk.blocks is None:  # the sequence's first chunk: its context is this step's K/V
-            kp, vp = k[chunk.rows], v[chunk.rows]  # [q, Hkv, D]
+            kp = fp8_kv.as_stored(k[chunk.rows], k_cache, scales, 0)  # [q, Hkv, D]
+            vp = fp8_kv.as_stored(v[chunk.rows], v_cache, scales, 1)
         else:
             kp = blocks_k.index_select(0, chunk.blocks).flatten(0, 1)[:chunk.context]
             vp = blocks_v.index_select(0, chunk.blocks).flatten(0, 1)[:chunk.context]
+            kp, vp = fp8_kv.read(kp, scales, 0, q.dtype), fp8_kv.read(vp, scales, 1, q.dtype)
         op = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0),
                                             vp.transpose(0, 1).unsqueeze(0),
                                             attn_mask=chunk.mask, is_causal=chunk.mask is None,

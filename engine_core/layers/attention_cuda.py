@@ -18,6 +18,10 @@ A decode-only step's decodes are every row of the step (`Decode.rows` None): no 
 scatter, and nothing the host decides per step but the buffers' contents, so a CUDA graph can
 replay it (engine_core/worker/cuda_graphs.py). The step's metadata is planned on the host with
 array ops (`plan`) and uploaded without a sync (host_link.py), each array 16-byte aligned.
+With an fp8 cache (quant/fp8_kv.py) the KV write quantizes and the decode kernel dequantizes in
+place; the prefill chunks' gathered contexts (a copy of those slots, as in any dtype) are
+dequantized as they are gathered, for FlashAttention, which reads the model's dtype, and the
+step's own K/V, where they serve, are rounded as the cache holds them (fp8_kv.as_stored).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import torch.nn.functional as F
 from engine_core.layers import triton_attention
 from engine_core.layers.attention import cache_slots
 from engine_core.layers.host_link import HostLink
+from engine_core.quant import fp8_kv
+from engine_core.quant.fp8_kv import KVScales
 
 
 class VarlenPlan(NamedTuple):
@@ -124,14 +130,16 @@ class Decode(NamedTuple):
 
 class Kernels(NamedTuple):
     """varlen(q, k, v, batch, scale) -> out [Tq, H, D]: causal, bottom-right aligned;
-    decode(q, k_cache, v_cache, batch, scale, block_size) -> out [Bd, H, D], or None;
-    write_kv(key, value, k_cache, v_cache, slots): the step's K/V into their slots."""
+    decode(q, k_cache, v_cache, batch, scale, block_size, scales) -> out [Bd, H, D], or None;
+    write_kv(key, value, k_cache, v_cache, slots, scales): the step's K/V into their slots.
+    `scales`: the layer's row of fp8 scales (quant/fp8_kv.py), None with a cache in the model's
+    dtype."""
 
     varlen: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Varlen, float], torch.Tensor]
-    decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Decode, float, int],
-                     torch.Tensor] | None
-    write_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                       None] = triton_attention.write_kv_reference
+    decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Decode, float, int,
+                      torch.Tensor | None], torch.Tensor] | None
+    write_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                        torch.Tensor | None], None] = triton_attention.write_kv_reference
 
 
 @dataclass
@@ -142,12 +150,18 @@ class CudaAttentionMetadata:
     decode: Decode | None
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [slots, Hkv, D] each
     kernels: Kernels
+    kv_scales: KVScales | None = None  # an fp8 cache's scales (quant/fp8_kv.py)
+
+    def scales(self, layer: int) -> torch.Tensor | None:
+        """Layer `layer`'s row of fp8 scales, None without them."""
+        return None if self.kv_scales is None else self.kv_scales.row(layer)
 
 
 def build_metadata(starts: np.ndarray, num_new: np.ndarray, table: np.ndarray,
                    table_rows: np.ndarray, device_table: torch.Tensor, block_size: int,
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], link: HostLink,
-                   kernels: Kernels) -> tuple[CudaAttentionMetadata, np.ndarray]:
+                   kernels: Kernels, kv_scales: KVScales | None = None
+                   ) -> tuple[CudaAttentionMetadata, np.ndarray]:
     """The step's metadata on the device (two uploads) and the packed tokens' positions.
     `table` is the host's copy of `device_table`; sequence i's blocks are its row
     table_rows[i]."""
@@ -183,7 +197,7 @@ def build_metadata(starts: np.ndarray, num_new: np.ndarray, table: np.ndarray,
                            device_table, table_rows_d, lens, splits,
                            leading=varlen is not None and consecutive)
     meta = CudaAttentionMetadata(slot_mapping, block_size, on_varlen, on_decode, kv_caches,
-                                 kernels)
+                                 kernels, kv_scales)
     return meta, positions
 
 
@@ -201,7 +215,9 @@ def cuda_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     layer: int = module.layer_idx  # type: ignore[assignment]
     k_cache, v_cache = meta.kv_caches[layer]
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
-    meta.kernels.write_kv(k_new, v_new, k_cache, v_cache, meta.slot_mapping)
+    if meta.kv_scales is not None:
+        meta.kv_scales.calibrate(layer, k_new, v_new)
+    meta.kernels.write_kv(k_new, v_new, k_cache, v_cache, meta.slot_mapping, meta.scales(layer))
     q = query[0].transpose(0, 1)  # [T, H, D]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     return attend(layer, q, k_new, v_new, scale, meta).unsqueeze(0), None
@@ -213,29 +229,32 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     step's own keys and values k, v [T, Hkv, D] already in the cache; into `out` [T, H, D]
     when given. (The attention backend of Tandem's own models, engine_core/models/.)"""
     k_cache, v_cache = meta.kv_caches[layer]
+    scales = meta.scales(layer)
     dec = meta.decode
     if dec is not None and dec.rows is None and not dec.leading:  # a decode-only step
         assert meta.kernels.decode is not None and meta.varlen is None
-        result = meta.kernels.decode(q, k_cache, v_cache, dec, scale, meta.block_size)
+        result = meta.kernels.decode(q, k_cache, v_cache, dec, scale, meta.block_size, scales)
         return result if out is None else out.copy_(result)
     out = q.new_empty(q.shape) if out is None else out
     if meta.varlen is not None:
         batch = meta.varlen
         if batch.kv_slots is None:  # every chunk starts its sequence: the step's own K/V
-            kv = batch.take(k), batch.take(v)
-        else:
-            kv = k_cache.index_select(0, batch.kv_slots), v_cache.index_select(0, batch.kv_slots)
+            kv = (fp8_kv.as_stored(batch.take(k), k_cache, scales, 0),
+                  fp8_kv.as_stored(batch.take(v), v_cache, scales, 1))
+        else:  # the chunks' contexts gathered (an fp8 cache's dequantized as they come)
+            kv = (fp8_kv.read(k_cache.index_select(0, batch.kv_slots), scales, 0, q.dtype),
+                  fp8_kv.read(v_cache.index_select(0, batch.kv_slots), scales, 1, q.dtype))
         batch.put(out, meta.kernels.varlen(batch.take(q), *kv, batch, scale))
     if dec is not None:
         assert meta.kernels.decode is not None
         if dec.leading:  # the step's first rows: read and written in place
             count = len(dec.table_rows)
             out[:count] = meta.kernels.decode(q[:count], k_cache, v_cache, dec, scale,
-                                              meta.block_size)
+                                              meta.block_size, scales)
         else:
             assert dec.rows is not None
             od = meta.kernels.decode(q.index_select(0, dec.rows), k_cache, v_cache, dec, scale,
-                                     meta.block_size)
+                                     meta.block_size, scales)
             out.index_copy_(0, dec.rows, od)
     return out
 
@@ -271,19 +290,21 @@ def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Varlen
 
 
 def triton_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  batch: Decode, scale: float, block_size: int) -> torch.Tensor:
+                  batch: Decode, scale: float, block_size: int,
+                  scales: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton paged decode (triton_attention.py)."""
     return triton_attention.paged_decode(q, k_cache, v_cache, batch.table, batch.table_rows,
-                                         batch.seq_lens, scale, block_size, batch.splits)
+                                         batch.seq_lens, scale, block_size, batch.splits, scales)
 
 
 def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     batch: Decode, scale: float, block_size: int) -> torch.Tensor:
+                     batch: Decode, scale: float, block_size: int,
+                     scales: torch.Tensor | None = None) -> torch.Tensor:
     """The decode in torch ops of fixed shapes (triton_attention.paged_decode_reference): the
     CPU's stand-in for the Triton kernel, graph-safe."""
     return triton_attention.paged_decode_reference(q, k_cache, v_cache, batch.table,
                                                    batch.table_rows, batch.seq_lens, scale,
-                                                   block_size)
+                                                   block_size, scales=scales)
 
 
 def cuda_kernels(dtype: torch.dtype = torch.bfloat16, decode: bool = True,

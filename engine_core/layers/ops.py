@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from engine_core.layers import native
 from engine_core.layers.rotary import RotaryTable
+from engine_core.quant import fp8_kv
 
 
 class HeadShape(NamedTuple):
@@ -64,9 +65,11 @@ class LayerOps(Protocol):
 
     def rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, table: RotaryTable,
                        shape: HeadShape, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots: torch.Tensor, qk_norm: QKNorm | None = None) -> None:
+                       slots: torch.Tensor, qk_norm: QKNorm | None = None,
+                       scales: torch.Tensor | None = None) -> None:
         """qkv [T, (H + 2 Hkv) D] (q, k then v): q and k normed (with `qk_norm`) and rotated
-        at `positions` in place; k and v written to the caches [slots, Hkv, D] at `slots`."""
+        at `positions` in place; k and v written to the caches [slots, Hkv, D] at `slots`
+        (quantized with the layer's `scales` row where the caches are fp8: quant/fp8_kv.py)."""
         ...
 
 
@@ -110,7 +113,8 @@ class TorchOps:
 
     def rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, table: RotaryTable,
                        shape: HeadShape, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots: torch.Tensor, qk_norm: QKNorm | None = None) -> None:
+                       slots: torch.Tensor, qk_norm: QKNorm | None = None,
+                       scales: torch.Tensor | None = None) -> None:
         q, k, v = split_qkv(qkv, shape)
         if qk_norm is not None:
             q.copy_(rms_norm_reference(q, qk_norm.q_weight, qk_norm.eps))
@@ -119,9 +123,7 @@ class TorchOps:
         sin = table.sin.index_select(0, positions).to(qkv.dtype)[:, None, :]
         q.copy_(q * cos + _rotate_half(q) * sin)
         k.copy_(k * cos + _rotate_half(k) * sin)
-        index = slots.long()
-        k_cache.index_copy_(0, index, k)
-        v_cache.index_copy_(0, index, v)
+        fp8_kv.write(k_cache, v_cache, slots, k, v, scales)
 
 
 # -- the CPU's compiled kernels -----------------------------------------------------------------
@@ -162,7 +164,8 @@ class NativeOps(TorchOps):
 
     def rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, table: RotaryTable,
                        shape: HeadShape, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots: torch.Tensor, qk_norm: QKNorm | None = None) -> None:
+                       slots: torch.Tensor, qk_norm: QKNorm | None = None,
+                       scales: torch.Tensor | None = None) -> None:
         assert qkv.stride(1) == 1 and qkv.dtype == torch.float32
         q, k, v = split_qkv(qkv, shape)
         if qk_norm is not None:
@@ -176,6 +179,4 @@ class NativeOps(TorchOps):
         for part, heads in ((q, shape.heads), (k, shape.kv_heads)):
             self.kernels.rotary(part.data_ptr(), qkv.stride(0), qkv.shape[0], heads, dim,
                                 cos.data_ptr(), sin.data_ptr(), dim)
-        index = slots.long()
-        k_cache.index_copy_(0, index, k)
-        v_cache.index_copy_(0, index, v)
+        fp8_kv.write(k_cache, v_cache, slots, k, v, scales)

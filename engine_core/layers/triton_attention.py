@@ -10,6 +10,11 @@
   `combine_kernel` merges them; a split's share of the context is taken from the sequence's
   length in device memory, so the launch depends on the batch alone (a CUDA graph replays it).
 
+An fp8 KV cache (quant/fp8_kv.py) is written and read by the same kernels: the write quantizes
+(x / scale, saturated at ±448, cast to e4m3), the decode reads the e4m3 tiles as they are and
+applies the layer's scales inside (K's to the scores, V's to the output); the scales are read
+from device memory, never baked into a launch.
+
 Fixed specializations, so nothing compiles again while serving: every integer argument that
 varies with the step (splits) is kept out of Triton's specialization (`do_not_specialize`);
 the strides are those of the cache and of the persistent block table, which never change;
@@ -24,6 +29,8 @@ import functools
 from typing import Any, no_type_check
 
 import torch
+
+from engine_core.quant import fp8_kv
 
 try:
     import triton
@@ -47,30 +54,34 @@ def _pow2(n: int, least: int = 1) -> int:
 
 # -- the KV-cache write ---------------------------------------------------------------------
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+             v_cache: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None = None
+             ) -> None:
     """key/value [T, Hkv, D] (any strides) into k_cache/v_cache [slots, Hkv, D] at `slots`
-    [T] (int32 or int64), one launch."""
+    [T] (int32 or int64), one launch; quantized with the layer's `scales` row (K's scale, V's)
+    where the caches are fp8 (quant/fp8_kv.py)."""
     tokens, kv_heads, dim = key.shape
     if tokens == 0:
         return
+    fp8 = fp8_kv.is_fp8(k_cache)
+    assert scales is not None or not fp8, "an fp8 KV cache needs its layer's scales"
     _jitted("kv_write")[(tokens,)](
-        key, value, k_cache, v_cache, slots, key.stride(0), key.stride(1), value.stride(0),
-        value.stride(1), k_cache.stride(0), k_cache.stride(1),
-        KV_HEADS=kv_heads, HEAD_DIM=dim, PAD_H=_pow2(kv_heads), PAD_D=_pow2(dim, 16))
+        key, value, k_cache, v_cache, slots, slots if scales is None else scales,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_cache.stride(0),
+        k_cache.stride(1),
+        KV_HEADS=kv_heads, HEAD_DIM=dim, PAD_H=_pow2(kv_heads), PAD_D=_pow2(dim, 16), FP8=fp8)
 
 
 def write_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+                       v_cache: torch.Tensor, slots: torch.Tensor,
+                       scales: torch.Tensor | None = None) -> None:
     """What `write_kv` does, in torch ops (the fallback, and the tests' reference)."""
-    index = slots.long()
-    k_cache.index_copy_(0, index, key)
-    v_cache.index_copy_(0, index, value)
+    fp8_kv.write(k_cache, v_cache, slots, key, value, scales)
 
 
 @no_type_check
-def kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, k_tok, k_head, v_tok, v_head,
-                    c_slot, c_head, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    PAD_H: tl.constexpr, PAD_D: tl.constexpr):
+def kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, scales_ptr, k_tok, k_head, v_tok,
+                    v_head, c_slot, c_head, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    PAD_H: tl.constexpr, PAD_D: tl.constexpr, FP8: tl.constexpr):
     tok = tl.program_id(0)
     slot = tl.load(slots_ptr + tok).to(tl.int64)
     h = tl.arange(0, PAD_H)[:, None]
@@ -78,9 +89,12 @@ def kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, k_tok, k_head, v_to
     ok = (h < KV_HEADS) & (d < HEAD_DIM)
     k = tl.load(k_ptr + tok * k_tok + h * k_head + d, mask=ok)
     v = tl.load(v_ptr + tok * v_tok + h * v_head + d, mask=ok)
+    if FP8:  # x / scale, saturated at e4m3's ±448 (fp8_kv.quantize); the store casts
+        k = tl.minimum(tl.maximum(k.to(tl.float32) / tl.load(scales_ptr), -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) / tl.load(scales_ptr + 1), -448.0), 448.0)
     at = slot * c_slot + h * c_head + d
-    tl.store(kc_ptr + at, k, mask=ok)
-    tl.store(vc_ptr + at, v, mask=ok)
+    tl.store(kc_ptr + at, k.to(kc_ptr.dtype.element_ty), mask=ok)
+    tl.store(vc_ptr + at, v.to(vc_ptr.dtype.element_ty), mask=ok)
 
 
 # -- the paged decode -----------------------------------------------------------------------
@@ -96,10 +110,14 @@ def splits_for(batch: int, kv_heads: int, max_context: int | None, sms: int = 13
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  table: torch.Tensor, table_rows: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float, block_size: int, splits: int) -> torch.Tensor:
+                 scale: float, block_size: int, splits: int,
+                 scales: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of single-token decodes q [B, H, D] over their paged contexts: decode i reads
-    row table_rows[i] of `table` [R, W] (int32 block ids) for its seq_lens[i] keys."""
+    row table_rows[i] of `table` [R, W] (int32 block ids) for its seq_lens[i] keys. An fp8
+    cache is read as it is, its `scales` (the layer's row: K's, V's) applied inside."""
     rows, heads, dim = q.shape
+    fp8 = fp8_kv.is_fp8(k_cache)
+    assert scales is not None or not fp8, "an fp8 KV cache needs its layer's scales"
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     out = torch.empty_like(q)
@@ -111,11 +129,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     partial_ml = torch.empty(*shape, 2, dtype=torch.float32, device=q.device)
     ieee = q.dtype == torch.float32
     _jitted("decode")[(rows, kv_heads, splits)](
-        out, q, k_cache, v_cache, table, table_rows, seq_lens, partial_o, partial_ml, scale,
-        splits, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        table.stride(0), out.stride(0), out.stride(1),
+        out, q, k_cache, v_cache, table, table_rows, seq_lens, partial_o, partial_ml,
+        partial_ml if scales is None else scales, scale, splits, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, PAD_G=_pow2(group, MIN_DOT), BLOCK_SIZE=block_size, HEAD_DIM=dim,
-        PAD_D=pad_d, TILE=TILE, IEEE=ieee)
+        PAD_D=pad_d, TILE=TILE, IEEE=ieee, FP8=fp8)
     if splits > 1:
         _jitted("combine")[(rows, heads)](
             out, partial_o, partial_ml, splits, out.stride(0), out.stride(1),
@@ -125,10 +143,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            table: torch.Tensor, table_rows: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float, block_size: int, splits: int = 1) -> torch.Tensor:
+                           scale: float, block_size: int, splits: int = 1,
+                           scales: torch.Tensor | None = None) -> torch.Tensor:
     """What `paged_decode` computes, in torch ops of fixed shapes (no host sync, nothing shaped
     by the data: a CUDA graph's stand-in can capture it): every row gathers its table row's
-    whole width and masks what lies past its length. float32 arithmetic."""
+    whole width and masks what lies past its length. float32 arithmetic; an fp8 cache's rows
+    dequantized as they are gathered (fp8_kv.read)."""
     rows, heads, _ = q.shape
     kv_heads = k_cache.shape[1]
     width = table.shape[1]
@@ -137,8 +157,10 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     slots = (blocks[:, pos // block_size] * block_size + pos % block_size)  # [B, W * bs]
     k = k_cache.index_select(0, slots.reshape(-1)).view(rows, -1, kv_heads, k_cache.shape[2])
     v = v_cache.index_select(0, slots.reshape(-1)).view(rows, -1, kv_heads, v_cache.shape[2])
-    k = k.float().repeat_interleave(heads // kv_heads, dim=2)  # [B, L, H, D]
-    v = v.float().repeat_interleave(heads // kv_heads, dim=2)
+    k = fp8_kv.read(k, scales, 0, torch.float32).float()
+    v = fp8_kv.read(v, scales, 1, torch.float32).float()
+    k = k.repeat_interleave(heads // kv_heads, dim=2)  # [B, L, H, D]
+    v = v.repeat_interleave(heads // kv_heads, dim=2)
     scores = torch.einsum("bhd,blhd->bhl", q.float(), k) * scale
     valid = pos[None, :] < seq_lens.long()[:, None]  # [B, L]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
@@ -148,10 +170,10 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 @no_type_check
 def decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, lens_ptr, po_ptr, pml_ptr,
-                  scale, num_splits, q_tok, q_head, kv_slot, kv_head, table_row, o_tok, o_head,
-                  GROUP: tl.constexpr, PAD_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, TILE: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  scales_ptr, scale, num_splits, q_tok, q_head, kv_slot, kv_head, table_row,
+                  o_tok, o_head, GROUP: tl.constexpr, PAD_G: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
+                  TILE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
     seq = tl.program_id(0)
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
@@ -164,6 +186,12 @@ def decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, lens_ptr, p
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     n = tl.load(lens_ptr + seq)
     row = tl.load(rows_ptr + seq).to(tl.int64)
+    # fp8: e4m3 entries are exact in the query's dtype; K's scale goes into the scores' scale,
+    # V's into the output (on the accumulator: one multiply a row, not one an entry)
+    v_scale = 1.0
+    if FP8:
+        scale = scale * tl.load(scales_ptr)
+        v_scale = tl.load(scales_ptr + 1)
     per_split = tl.cdiv(tl.cdiv(n, num_splits), TILE) * TILE
     lo = split * per_split
     hi = tl.minimum(lo + per_split, n)
@@ -178,7 +206,7 @@ def decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, lens_ptr, p
         slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         at = slot[:, None] * kv_slot + kv_h * kv_head + d[None, :]
         kv_ok = ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + at, mask=kv_ok, other=0.0)
+        k = tl.load(k_ptr + at, mask=kv_ok, other=0.0).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -188,13 +216,14 @@ def decode_kernel(out_ptr, q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, lens_ptr, p
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         total = total * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + at, mask=kv_ok, other=0.0)
+        v = tl.load(v_ptr + at, mask=kv_ok, other=0.0).to(q.dtype)
         if IEEE:
             pv = tl.dot(p, v, input_precision="ieee")
         else:
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m = m_new
+    acc = acc * v_scale
     out_ok = g_ok[:, None] & d_ok[None, :]
     if num_splits == 1:
         result = acc / total[:, None]

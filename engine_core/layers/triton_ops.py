@@ -28,6 +28,7 @@ import torch
 
 from engine_core.layers.ops import HeadShape, QKNorm, TorchOps
 from engine_core.layers.rotary import RotaryTable
+from engine_core.quant import fp8_kv
 
 try:
     import triton
@@ -81,7 +82,8 @@ class TritonOps(TorchOps):
 
     def rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, table: RotaryTable,
                        shape: HeadShape, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots: torch.Tensor, qk_norm: QKNorm | None = None) -> None:
+                       slots: torch.Tensor, qk_norm: QKNorm | None = None,
+                       scales: torch.Tensor | None = None) -> None:
         rows = qkv.shape[0]
         if rows == 0:
             return
@@ -91,12 +93,15 @@ class TritonOps(TorchOps):
         eps = 0.0
         if qk_norm is not None:
             q_weight, k_weight, eps = qk_norm
+        fp8 = fp8_kv.is_fp8(k_cache)
+        assert scales is not None or not fp8, "an fp8 KV cache needs its layer's scales"
         _jitted("rope_cache")[(rows,)](
             qkv, positions, table.cos, table.sin, k_cache, v_cache, slots, q_weight, k_weight,
+            table.cos if scales is None else scales,  # an unread stand-in unless fp8
             qkv.stride(0), table.cos.stride(0), k_cache.stride(0), k_cache.stride(1), eps,
             HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=dim, HALF=dim // 2,
             PAD_H=_pow2(heads), PAD_KV=_pow2(kv_heads), PAD_HALF=_pow2(dim // 2),
-            QK_NORM=qk_norm is not None, num_warps=4)
+            QK_NORM=qk_norm is not None, FP8=fp8, num_warps=4)
 
 
 # -- the kernels ------------------------------------------------------------------------------
@@ -110,6 +115,14 @@ def _device_fn(fn: Any) -> Any:
 def _rounded(x, dtype):
     """x (float32) as the model's dtype would hold it, back in float32."""
     return x.to(dtype).to(tl.float32)
+
+
+@_device_fn
+@no_type_check
+def _fp8(x, scale):
+    """x / scale in float32, saturated at e4m3's ±448 (the cast to e4m3 is the store's)."""
+    y = x.to(tl.float32) / scale
+    return tl.minimum(tl.maximum(y, -448.0), 448.0)
 
 
 @no_type_check
@@ -165,10 +178,10 @@ def _rotate(a, b, cos, sin, dtype):
 
 @no_type_check
 def rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slots_ptr, qw_ptr,
-                      kw_ptr, qkv_row, table_row, c_slot, c_head, eps,
+                      kw_ptr, scales_ptr, qkv_row, table_row, c_slot, c_head, eps,
                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                       HALF: tl.constexpr, PAD_H: tl.constexpr, PAD_KV: tl.constexpr,
-                      PAD_HALF: tl.constexpr, QK_NORM: tl.constexpr):
+                      PAD_HALF: tl.constexpr, QK_NORM: tl.constexpr, FP8: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     dtype = qkv_ptr.dtype.element_ty
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -201,12 +214,20 @@ def rope_cache_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slots_
     tl.store(at, a.to(dtype), mask=ok)
     tl.store(at + HALF, b.to(dtype), mask=ok)
     cache = slot * c_slot + h * c_head + i[None, :]
-    tl.store(kc_ptr + cache, a.to(dtype), mask=ok)
-    tl.store(kc_ptr + cache + HALF, b.to(dtype), mask=ok)
-    # the value heads into the cache, as they are
+    a, b = a.to(dtype), b.to(dtype)  # the rotated key as the model's dtype holds it
     at = row + (HEADS + KV_HEADS) * HEAD_DIM + h * HEAD_DIM + i[None, :]
-    tl.store(vc_ptr + cache, tl.load(at, mask=ok, other=0.0), mask=ok)
-    tl.store(vc_ptr + cache + HALF, tl.load(at + HALF, mask=ok, other=0.0), mask=ok)
+    va = tl.load(at, mask=ok, other=0.0)
+    vb = tl.load(at + HALF, mask=ok, other=0.0)
+    if FP8:  # x / scale, saturated, as e4m3 (fp8_kv.quantize)
+        k_scale = tl.load(scales_ptr)
+        v_scale = tl.load(scales_ptr + 1)
+        a, b = _fp8(a, k_scale), _fp8(b, k_scale)
+        va, vb = _fp8(va, v_scale), _fp8(vb, v_scale)
+    tl.store(kc_ptr + cache, a.to(kc_ptr.dtype.element_ty), mask=ok)
+    tl.store(kc_ptr + cache + HALF, b.to(kc_ptr.dtype.element_ty), mask=ok)
+    # the value heads into the cache, as they are (or quantized)
+    tl.store(vc_ptr + cache, va.to(vc_ptr.dtype.element_ty), mask=ok)
+    tl.store(vc_ptr + cache + HALF, vb.to(vc_ptr.dtype.element_ty), mask=ok)
 
 
 KERNELS: dict[str, tuple[Any, list[str]]] = {

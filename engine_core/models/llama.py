@@ -29,6 +29,7 @@ from engine_core.layers.rotary import RotaryTable, rotary_table
 from engine_core.layers.rotary import supported as rope_supported
 from engine_core.models.parts import ModelKit, Part, RMSNorm, Slice, linear_into
 from engine_core.models.registry import register
+from engine_core.quant import fp8_kv
 
 
 class LlamaAttention(nn.Module):
@@ -61,9 +62,14 @@ class LlamaAttention(nn.Module):
         qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        scales = meta.scales(self.layer)
         self.kit.ops.rope_and_cache(qkv, positions, rotary, self.shape, k_cache, v_cache,
-                                    meta.slot_mapping, qk_norm)
+                                    meta.slot_mapping, qk_norm, scales)
         q, k, v = split_qkv(qkv, self.shape)
+        if meta.kv_scales is not None and meta.kv_scales.calibrating:  # the first batch's
+            # K/V set the fp8 scales (--calculate-kv-scales): written again with them
+            meta.kv_scales.calibrate(self.layer, k, v)
+            fp8_kv.write(k_cache, v_cache, meta.slot_mapping, k, v, scales)
         attended = self.kit.attend(self.layer, q, k, v, self.scale, meta, out)
         return attended.view(qkv.shape[0], -1)
 

@@ -35,6 +35,7 @@ from engine_core.layers.linear import prepare_linears
 from engine_core.layers.lm_head import LMHead
 from engine_core.layers.parallel import TensorParallel
 from engine_core.lora.slots import LoRASlots, token_slots
+from engine_core.quant import fp8_kv
 from engine_core.sample.device_sampler import DeviceSampler, HeadWeights
 from engine_core.sched.scheduler import SchedulerOutput
 from engine_core.worker.cuda_graphs import Agreement, GraphRunner, reserve_bytes
@@ -126,11 +127,16 @@ class ModelRunner:
                            else self.workers.rank.channel.send_head)
         self.head_weights = HeadWeights(head.weight, head.bias, head.softcap)
         self.block_size = config.block_size
+        self.kv_shape = _kv_shape(text, tp)
+        self.cache_dtype = fp8_kv.cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_scales = (None if self.cache_dtype != fp8_kv.FP8
+                          else _kv_scales(config, self.hf_config, self.kv_shape.layers,
+                                          self.device, tp))
+        self.kv_caches: KVCaches = []
         self.kernels = (attention_cuda.cuda_kernels(self.dtype, platform.triton_decode,
                                                     platform.triton_kv_write, self.device)
                         if platform.attention == "cuda" else None)
         self._metadata = self._metadata_builder(platform.attention, platform.head_kernels)
-        self.kv_shape = _kv_shape(text, tp)
         spec = config.speculative  # a draft model runs whole on rank 0 only (drafter.py)
         self.drafter = (Drafter(config, platform, self.facts.max_model_len,
                                 self.facts.vocab_size)
@@ -153,9 +159,10 @@ class ModelRunner:
         self.graphs = self._capture(graph_sizes) if graph_sizes else None
         if piece_sizes:
             self.piecewise = self._capture_pieces(piece_sizes)
-        log.info("model %s (%s) on %s/%s, %d KV blocks of %d tokens, %s attention, LM head "
-                 "on %s ops, decoder linears %s; decode steps %s%s", config.model, loaded.source,
-                 self.device, self.dtype, self.num_blocks, self.block_size, platform.attention,
+        log.info("model %s (%s) on %s/%s, %d KV blocks of %d tokens in %s, %s attention, LM "
+                 "head on %s ops, decoder linears %s; decode steps %s%s", config.model,
+                 loaded.source, self.device, self.dtype, self.num_blocks, self.block_size,
+                 _dtype_name(self.cache_dtype), platform.attention,
                  self.head.backend, linears,
                  f"in CUDA graphs of {len(self.graphs.graphs)} sizes up to "
                  f"{self.graphs.max_size}" if self.graphs and self.graphs.graphs else "eager",
@@ -169,7 +176,7 @@ class ModelRunner:
         tokens can fill."""
         if config.num_kv_blocks:
             return config.num_kv_blocks
-        per_block = self.kv_shape.block_bytes(self.block_size, self.dtype) + (
+        per_block = self.kv_shape.block_bytes(self.block_size, self.cache_dtype) + (
             0 if self.drafter is None else self.drafter.block_bytes(self.block_size))
         if not platform.profiles_memory:
             return max(1, platform.kv_cache_budget() // per_block)
@@ -235,30 +242,31 @@ class ModelRunner:
         splits = triton_attention.splits_for(len(ids), self.kv_shape.kv_heads, None)
         decode = attention_cuda.Decode(None, self.tables.device, table_rows, seq_lens, splits)
         meta = attention_cuda.CudaAttentionMetadata(slots, self.block_size, None, decode,
-                                                    self.kv_caches, self.kernels)
+                                                    self.kv_caches, self.kernels, self.kv_scales)
         hidden: torch.Tensor = self.decoder(ids, positions, meta)
         return hidden
 
     def _allocate_kv(self, num_blocks: int) -> KVCaches:
         shape = (num_blocks * self.block_size, self.kv_shape.kv_heads, self.kv_shape.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+        return [(torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
                 for _ in range(self.kv_shape.layers)]
 
     def _metadata_builder(self, backend: AttentionBackend,
                           cpu_kernels: native.Kernels | None) -> MetadataBuilder:
-        block_size, link, kernels = self.block_size, self.link, self.kernels
+        block_size, link, kernels, scales = self.block_size, self.link, self.kernels, self.kv_scales
         if backend == "cuda":
             assert kernels is not None
             return lambda starts, num_new, t, caches: attention_cuda.build_metadata(
-                starts, num_new, t.host, t.rows, t.device, block_size, caches, link, kernels)
+                starts, num_new, t.host, t.rows, t.device, block_size, caches, link, kernels,
+                scales)
         decodes = cpu_kernels if backend == "native" else None
 
         def portable(starts: np.ndarray, num_new: np.ndarray, t: TableView,
                      caches: KVCaches) -> tuple[Any, np.ndarray]:
             width = max(1, -(-int((starts + num_new).max()) // block_size))
             return attention.build_metadata(starts, num_new, t.host[t.rows, :width], block_size,
-                                            caches, link.device, decodes)
+                                            caches, link.device, decodes, scales)
 
         return portable
 
@@ -389,9 +397,17 @@ class ModelRunner:
             position_ids = position_ids.int()
         pieces = self.piecewise
         size = pieces.size_for(len(input_ids)) if pieces is not None else None
-        hidden: torch.Tensor = (self.decoder(input_ids, position_ids, meta)
-                                if pieces is None or size is None
-                                else pieces.run(size, input_ids, position_ids, meta))
+        # the first real batch sets the fp8 scales where --calculate-kv-scales asks
+        calibrating = (self.kv_scales is not None and kv_caches is self.kv_caches
+                       and self.kv_scales.arm())
+        try:
+            hidden: torch.Tensor = (self.decoder(input_ids, position_ids, meta)
+                                    if pieces is None or size is None
+                                    else pieces.run(size, input_ids, position_ids, meta))
+        finally:
+            if calibrating:
+                assert self.kv_scales is not None
+                self.kv_scales.disarm()
         return hidden if every_row else hidden[keep]
 
     @torch.inference_mode()
@@ -432,6 +448,22 @@ def _rows(hidden: torch.Tensor, keep: np.ndarray, link: Any) -> torch.Tensor:
     if _every_row(keep, len(hidden)):
         return hidden
     return hidden.index_select(0, link.upload(keep))
+
+
+def _kv_scales(config: EngineConfig, hf_config: Any, layers: int, device: torch.device,
+               tp: TensorParallel | None) -> fp8_kv.KVScales:
+    """An fp8 cache's scales: the checkpoint's, else calculated from the first batch
+    (--calculate-kv-scales, agreed between tensor-parallel ranks), else 1.0."""
+    given = fp8_kv.checkpoint_scales(config.model, hf_config, layers)
+    source = ("the checkpoint's" if given is not None else
+              "the first batch's" if config.calculate_kv_scales else "1.0")
+    log.info("fp8 KV cache (e4m3), scales per layer: %s", source)
+    return fp8_kv.KVScales.build(layers, device, given, config.calculate_kv_scales,
+                                   None if tp is None else tp.group, tp is not None)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return "fp8 (e4m3)" if dtype == fp8_kv.FP8 else str(dtype).removeprefix("torch.")
 
 
 def _kv_shape(text: Any, tp: TensorParallel | None = None) -> KVShape:

@@ -40,7 +40,9 @@ from tests.engine.driver import run
 
 DTYPE = "bfloat16"
 # what the fp8 engine adds to the bf16 one (EngineConfig fields); the KV cache's fp8 joins here
-FP8_OPTIONS: dict[str, Any] = {"quantization": "fp8"}
+# fp8 weights and the fp8 KV cache (scales from the first batch: the shape has none)
+FP8_OPTIONS: dict[str, Any] = {"quantization": "fp8", "kv_cache_dtype": "fp8",
+                               "calculate_kv_scales": True}
 
 
 def fp8(ctx: Context) -> dict[str, Any]:

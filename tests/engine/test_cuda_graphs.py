@@ -297,35 +297,40 @@ def layer_ops_recorders() -> dict[str, SpecializationRecorder]:
     def silu_ref(x, out, *args: Any, **kw: Any) -> None:
         out.copy_(ref.silu_mul(x))
 
-    def rope_ref(qkv, pos, cos, sin, kc, vc, slots, qw, kw_, *args: Any, **kw: Any) -> None:
+    def rope_ref(qkv, pos, cos, sin, kc, vc, slots, qw, kw_, scales, *args: Any,
+                 **kw: Any) -> None:
         norm = QKNorm(qw, kw_, args[4]) if kw["QK_NORM"] else None
         ref.rope_and_cache(qkv, pos, RotaryTable(cos, sin),
                            HeadShape(kw["HEADS"], kw["KV_HEADS"], kw["HEAD_DIM"]), kc, vc,
-                           slots, norm)
+                           slots, norm, scales if kw["FP8"] else None)
 
     return {name: SpecializationRecorder(name, fn, triton_ops.KERNELS)
             for name, fn in (("rms_norm", norm_ref), ("silu_mul", silu_ref),
                              ("rope_cache", rope_ref))}
 
 
-def test_no_kernel_compiles_again_once_serving(tiny_qwen3, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_no_kernel_compiles_again_once_serving(tiny_qwen3, monkeypatch, kv_cache_dtype):
     """Steps of every shape (prefill chunks in piecewise graphs and eager, decode batches of
     many sizes, graphs and eager, one split and several): each kernel, the attention's and the
-    layers' ops', is specialized once."""
+    layers' ops', is specialized once. With an fp8 cache too: each layer's row of scales is
+    as aligned as the next (fp8_kv.SCALE_WIDTH)."""
     pytest.importorskip("triton")
 
     def decode_ref(out: torch.Tensor, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                    table: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, *args: Any,
                    **kw: Any) -> None:
+        scales = args[2] if kw["FP8"] else None
         out.copy_(triton_attention.paged_decode_reference(q, kc, vc, table, rows, lens,
-                                                          args[2], kw["BLOCK_SIZE"]))
+                                                          args[3], kw["BLOCK_SIZE"],
+                                                          scales=scales))
 
     def combine_ref(out: torch.Tensor, *args: Any, **kw: Any) -> None:
         pass  # the decode reference wrote the whole result
 
     def write_ref(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                  slots: torch.Tensor, *args: Any, **kw: Any) -> None:
-        triton_attention.write_kv_reference(k, v, kc, vc, slots)
+                  slots: torch.Tensor, scales: torch.Tensor, *args: Any, **kw: Any) -> None:
+        triton_attention.write_kv_reference(k, v, kc, vc, slots, scales if kw["FP8"] else None)
 
     recorders = {"decode": SpecializationRecorder("decode", decode_ref),
                  "combine": SpecializationRecorder("combine", combine_ref),
@@ -339,7 +344,7 @@ def test_no_kernel_compiles_again_once_serving(tiny_qwen3, monkeypatch):
                                      triton_attention.write_kv)
     # a budget that has steps with a prefill both in the piecewise graphs and past them
     core = cuda_path_engine(tiny_qwen3, monkeypatch, graphs=True, kernels=kernels,
-                            max_num_batched_tokens=48)
+                            max_num_batched_tokens=48, kv_cache_dtype=kv_cache_dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_qwen3))
     staggered(core, make_prompts(tokenizer, n=14))
     pieces = core.runner.piecewise

@@ -16,8 +16,8 @@ from pathlib import Path
 import engine_core
 
 ROOT = Path(engine_core.__file__).parent
-RANK = {"layers": 0, "structured": 0, "sample": 1, "models": 1, "spec": 1, "sched": 2, "worker": 3,
-        "": 4}
+RANK = {"quant": -1, "layers": 0, "structured": 0, "sample": 1, "models": 1, "spec": 1,
+        "sched": 2, "worker": 3, "": 4}
 LEAF = "engine_core.config"
 
 

@@ -77,7 +77,8 @@ def test_render_without_figures_is_all_zero() -> None:
 
 def test_every_engine_has_its_series_and_its_cache_config() -> None:
     one = EngineStats(running=1, waiting=4, num_blocks=200, free_blocks=50, block_size=16)
-    two = EngineStats(running=2, num_blocks=100, free_blocks=100, block_size=32)
+    two = EngineStats(running=2, num_blocks=100, free_blocks=100, block_size=32,
+                      cache_dtype="fp8")
     text = render([(0, one), (3, two)], "m").decode()
     got = samples(text)
 
@@ -89,10 +90,11 @@ def test_every_engine_has_its_series_and_its_cache_config() -> None:
     assert value("vllm:kv_cache_usage_perc", "0") == pytest.approx(0.75)
     assert value("vllm:kv_cache_usage_perc", "3") == 0
     configs = {k[1] for k in got if k[0] == "vllm:cache_config_info"}
+    # vLLM's cache_dtype label: "auto" unless --kv-cache-dtype says otherwise
     assert configs == {frozenset({("engine", "0"), ("block_size", "16"),
-                                  ("num_gpu_blocks", "200")}),
+                                  ("cache_dtype", "auto"), ("num_gpu_blocks", "200")}),
                        frozenset({("engine", "3"), ("block_size", "32"),
-                                  ("num_gpu_blocks", "100")})}
+                                  ("cache_dtype", "fp8"), ("num_gpu_blocks", "100")})}
     assert text.count("# TYPE vllm:num_requests_running gauge") == 1  # one family, two series
 
 

@@ -66,6 +66,8 @@ def test_quantization_reaches_the_engine() -> None:
     (["--tensor-parallel-size", "0"], "at least 1"),
     (["--max-logprobs", "21"], "between 0 and 20"),
     (["--gpu-memory-utilization", "1.5"], "(0, 1]"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "'fp8_e5m2' is not supported: choose auto"),
+    (["--calculate-kv-scales"], "needs an fp8 KV cache"),
 ])
 def test_engine_flags_that_cannot_be_served_are_named(flags: list[str], problem: str) -> None:
     message = check_engine_args(engine_parser().parse_args(flags))
@@ -80,3 +82,12 @@ def test_plain_flags_pass_the_checks() -> None:
                                               "--speculative-config",
                                               '{"method": "ngram", "num_speculative_tokens": 3}'])
     assert check_engine_args(speculating) is None
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e4m3"])
+def test_the_fp8_kv_cache_flags_reach_the_engine(dtype: str) -> None:
+    args = engine_parser().parse_args(["--kv-cache-dtype", dtype, "--calculate-kv-scales"])
+    assert check_engine_args(args) is None
+    argv = engine_argv(args)
+    assert argv[argv.index("--kv-cache-dtype") + 1] == dtype and "--calculate-kv-scales" in argv
+    assert "--calculate-kv-scales" not in engine_argv(engine_parser().parse_args([]))

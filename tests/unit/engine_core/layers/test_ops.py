@@ -17,6 +17,7 @@ from engine_core.config import EngineConfig
 from engine_core.layers import triton_ops
 from engine_core.layers.ops import HeadShape, NativeOps, QKNorm, TorchOps, split_qkv
 from engine_core.layers.rotary import RotaryTable
+from engine_core.quant import fp8_kv
 from engine_core.worker.platform import Platform
 from tests.unit.engine_core.heads import kernels_or_skip
 
@@ -40,13 +41,34 @@ def rope_case(dtype: torch.dtype = torch.float32, rows: int = 9, shape: HeadShap
     return qkv, positions, RotaryTable(emb.cos(), emb.sin()), slots
 
 
-def run_rope(ops, qkv, positions, table, slots, shape=SHAPE, qk_norm=None):
-    """The op on a copy of qkv and fresh caches: (qkv after, k cache, v cache)."""
+def run_rope(ops, qkv, positions, table, slots, shape=SHAPE, qk_norm=None, scales=None):
+    """The op on a copy of qkv and fresh caches (fp8 with `scales`): (qkv after, k cache,
+    v cache)."""
     qkv = qkv.clone()
-    caches = [torch.zeros(3 * qkv.shape[0], shape.kv_heads, shape.head_dim, dtype=qkv.dtype)
+    dtype = qkv.dtype if scales is None else fp8_kv.FP8
+    caches = [torch.zeros(3 * qkv.shape[0], shape.kv_heads, shape.head_dim, dtype=dtype)
               for _ in range(2)]
-    ops.rope_and_cache(qkv, positions, table, shape, *caches, slots, qk_norm)
+    ops.rope_and_cache(qkv, positions, table, shape, *caches, slots, qk_norm, scales)
     return qkv, *caches
+
+
+def assert_fp8_caches(got, want_plain, slots, shape=SHAPE, interpreter=False):
+    """`got` (qkv after, fp8 caches) holds what `want_plain` (the same op into caches of the
+    model's dtype) does, K and V quantized with scales 0.05 and 0.02 (FP8_SCALES)."""
+    from tests.unit.engine_core.quant.test_fp8_kv import assert_e4m3_of
+
+    qkv, k_cache, v_cache = got
+    want_qkv, want_k, want_v = want_plain
+    assert torch.equal(qkv, want_qkv)
+    index = slots.long()
+    assert_e4m3_of(k_cache[index], want_k[index], 0.05, interpreter)
+    assert_e4m3_of(v_cache[index], want_v[index], 0.02, interpreter)
+    others = torch.ones(len(k_cache), dtype=torch.bool)
+    others[index] = False
+    assert not k_cache[others].view(torch.uint8).any()
+
+
+FP8_SCALES = torch.tensor([0.05, 0.02, 1.0, 1.0])
 
 
 # -- the reference is transformers' arithmetic -------------------------------------------------
@@ -95,6 +117,14 @@ def test_reference_qk_norm_is_each_heads_rmsnorm_before_the_rotation():
         assert torch.equal(a, b)
 
 
+def test_the_fp8_cache_write_quantizes_the_rotated_keys_and_the_values():
+    qkv, positions, table, slots = rope_case()
+    qkv[0, -SHAPE.head_dim:] = 100.0  # values past 448 * 0.02: saturated
+    want = run_rope(TorchOps(), qkv, positions, table, slots)
+    assert_fp8_caches(run_rope(TorchOps(), qkv, positions, table, slots, scales=FP8_SCALES),
+                      want, slots)
+
+
 # -- the CPU kernels ----------------------------------------------------------------------------
 def test_native_ops_match_the_reference():
     native, ref = NativeOps(kernels_or_skip()), TorchOps()
@@ -116,6 +146,9 @@ def test_native_ops_match_the_reference():
         for got, want in zip(run_rope(native, qkv, positions, table, slots, qk_norm=qk_norm),
                              run_rope(ref, qkv, positions, table, slots, qk_norm=qk_norm)):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # into an fp8 cache: what the native rotation gives, quantized
+    assert_fp8_caches(run_rope(native, qkv, positions, table, slots, scales=FP8_SCALES),
+                      run_rope(native, qkv, positions, table, slots), slots)
 
 
 # -- the Triton kernels, in the interpreter -----------------------------------------------------
@@ -123,7 +156,8 @@ INTERPRETED = """
 import torch
 from engine_core.layers.ops import HeadShape, QKNorm, TorchOps
 from engine_core.layers.triton_ops import TritonOps
-from tests.unit.engine_core.layers.test_ops import rope_case, run_rope
+from tests.unit.engine_core.layers.test_ops import (FP8_SCALES, assert_fp8_caches, rope_case,
+    run_rope)
 
 # the interpreter rounds to bfloat16 by truncation, a GPU to nearest: in bfloat16 a result may
 # be a few units in the last place of the values' scale apart (a wrong head, half or row is off
@@ -160,6 +194,11 @@ for dtype in (torch.float32, torch.bfloat16):
             want = run_rope(ref, qkv, positions, table, slots, shape, qk_norm)
             for a, b in zip(got, want):
                 close(a, b)
+        # into an fp8 cache: the kernel's own rotation (as its model-dtype run wrote it),
+        # quantized (the interpreter's cast: test_fp8_kv.assert_e4m3_of)
+        plain = run_rope(triton, qkv, positions, table, slots, shape, norm)
+        fp8 = run_rope(triton, qkv, positions, table, slots, shape, norm, FP8_SCALES)
+        assert_fp8_caches(fp8, plain, slots, shape, interpreter=True)
 print("interpreted ok")
 """
 
@@ -177,25 +216,30 @@ def test_triton_ops_in_the_interpreter():
 
 def kernel_signatures(dtype: str) -> dict[str, tuple[dict[str, str], dict[str, object]]]:
     """Each kernel's argument types for `dtype`, and its constexprs as the engine sets them for
-    a Llama-3.2-1B shape (hidden 2048, intermediate 8192, 32 heads / 8 KV heads of 64)."""
+    a Llama-3.2-1B shape (hidden 2048, intermediate 8192, 32 heads / 8 KV heads of 64).
+    "bf16-fp8": a bf16 model over an fp8 (e4m3) cache."""
+    model, _, fp8 = dtype.partition("-")
+    dtype, cache = model, "fp8e4nv" if fp8 else model
     norm = {"x_ptr": f"*{dtype}", "r_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
             "o_ptr": f"*{dtype}", "x_row": "i32", "r_row": "i32", "o_row": "i32",
             "width": "i32", "eps": "fp32"}
     silu = {"x_ptr": f"*{dtype}", "o_ptr": f"*{dtype}", "width": "i32", "x_row": "i32",
             "o_row": "i32"}
     rope = {"qkv_ptr": f"*{dtype}", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-            "kc_ptr": f"*{dtype}", "vc_ptr": f"*{dtype}", "slots_ptr": "*i32",
-            "qw_ptr": f"*{dtype}", "kw_ptr": f"*{dtype}", "qkv_row": "i32", "table_row": "i32",
-            "c_slot": "i32", "c_head": "i32", "eps": "fp32"}
+            "kc_ptr": f"*{cache}", "vc_ptr": f"*{cache}", "slots_ptr": "*i32",
+            "qw_ptr": f"*{dtype}", "kw_ptr": f"*{dtype}", "scales_ptr": "*fp32",
+            "qkv_row": "i32", "table_row": "i32", "c_slot": "i32", "c_head": "i32",
+            "eps": "fp32"}
     return {
         "rms_norm": (norm, {"HAS_RES": True, "BLOCK": 2048}),
         "silu_mul": (silu, {"BLOCK": triton_ops.SILU_BLOCK}),
         "rope_cache": (rope, {"HEADS": 32, "KV_HEADS": 8, "HEAD_DIM": 64, "HALF": 32,
-                              "PAD_H": 32, "PAD_KV": 8, "PAD_HALF": 32, "QK_NORM": True}),
+                              "PAD_H": 32, "PAD_KV": 8, "PAD_HALF": 32, "QK_NORM": True,
+                              "FP8": bool(fp8)}),
     }
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32", "bf16-fp8"])
 @pytest.mark.parametrize("name", ["rms_norm", "silu_mul", "rope_cache"])
 def test_triton_ops_compile_for_hopper(dtype: str, name: str):
     """Triton compiles each kernel for sm_90 (an H100/H200) to PTX and a cubin, no GPU here."""
@@ -209,6 +253,8 @@ def test_triton_ops_compile_for_hopper(dtype: str, name: str):
     source = ASTSource(triton.jit(fn, do_not_specialize=fixed), signature, constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
     assert ".target sm_90" in compiled.asm["ptx"] and compiled.asm.get("cubin")
+    if dtype.endswith("fp8") and name == "rope_cache":  # quantized as fp8_kv.quantize
+        assert "cvt.rn.satfinite.e4m3x2.f32" in compiled.asm["ptx"]
 
 
 # -- the platform's choice --------------------------------------------------------------------
