@@ -10,8 +10,10 @@ an adapter is copying into fixed buffers (what CUDA graphs read).
 
 `LoRALinear` wraps a product's linear: its output plus each row's adapter's delta. Rows of the
 base model (slot -1) get nothing. Two paths, chosen once by the platform:
-- the plain path (the CPU's): the step's rows of each slot found on the host (`LoRAContext`,
-  set once per step), one gather and two products per slot present;
+- the plain path (the CPU's): the step's slots found on the host (`LoRAContext`, set once per
+  step); a step of one adapter runs its two products on every row, a step mixing several runs
+  the shrink of every slot up to the highest present, masked by each row's one-hot slot, and one
+  expand over them all (three ops a product, whatever the mix);
 - the kernels' path (CUDA, graphs): each token's slot in a persistent int32 device buffer,
   filled by one copy per step (rows past the step's: -1), read by the shrink and expand kernels
   (triton_lora.py) on the device, so a captured graph replays any mix of adapters.
@@ -42,6 +44,8 @@ class LoRAContext:
                  max_tokens: int = 0) -> None:
         self.device, self.kernels = device, kernels
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # (slot, rows; None: all)
+        # rows of several slots: each token's one-hot slot [T, slots] (base rows all zero)
+        self.one_hot: torch.Tensor | None = None
         # the kernels' per-token slots (-1 past the step's tokens: graphs' padded rows are
         # base rows), and two pinned staging copies used in turn (an overlapped step fills one
         # while the copy out of the other may still be queued)
@@ -59,11 +63,13 @@ class LoRAContext:
             return
         slots = np.unique(token_slots)
         slots = slots[slots >= 0]
+        self.groups, self.one_hot = [], None
         if len(slots) == 1 and (token_slots == slots[0]).all():
             self.groups = [(int(slots[0]), None)]
-            return
-        self.groups = [(int(s), torch.from_numpy(np.flatnonzero(token_slots == s)).to(
-            self.device)) for s in slots]
+        elif len(slots):  # (one-hot products beat per-slot gathers: docs/benchmarks.md)
+            width = int(slots[-1]) + 1
+            one_hot = (token_slots[:, None] == np.arange(width)).astype(np.float32)
+            self.one_hot = torch.from_numpy(one_hot).to(self.device)
 
     def _upload(self, token_slots: np.ndarray) -> None:
         tokens = len(token_slots)
@@ -86,8 +92,10 @@ class ProductSlots:
         self.parts, self.rank = parts, rank
         self.a = torch.zeros(slots, len(parts) * rank, width_in, dtype=dtype, device=device)
         self.b = torch.zeros(slots, width_out, len(parts) * rank, dtype=dtype, device=device)
+        self._b_wide: torch.Tensor | None = None  # B of every slot side by side [out, slots N]
 
     def load(self, slot: int, layer: int, adapter: LoRAAdapter) -> None:
+        self._b_wide = None
         self.a[slot].zero_()
         self.b[slot].zero_()
         for j, (target, (offset, size)) in enumerate(self.parts):
@@ -101,6 +109,16 @@ class ProductSlots:
 
     def delta(self, slot: int, x: torch.Tensor) -> torch.Tensor:
         return (x @ self.a[slot].t()) @ self.b[slot].t()
+
+    def add_mixed(self, x: torch.Tensor, one_hot: torch.Tensor, y: torch.Tensor) -> None:
+        """y += each row's slot's delta, for rows of slots [0, W) (`one_hot` [T, W]): the
+        shrink of every slot, masked to each row's own, then one expand over all of them."""
+        width, n = one_hot.shape[1], self.a.shape[1]
+        t = x @ self.a[:width].reshape(width * n, -1).t()
+        t.view(len(x), width, n).mul_(one_hot.to(t.dtype).unsqueeze(2))
+        if self._b_wide is None:
+            self._b_wide = self.b.permute(1, 0, 2).reshape(self.b.shape[1], -1)
+        y.addmm_(t, self._b_wide[:, :width * n].t())
 
 
 class LoRALinear(nn.Module):
@@ -117,6 +135,9 @@ class LoRALinear(nn.Module):
         if kernels is not None:  # sizes from the host, slots from the device: graph-safe
             slots = self.context.slots[:x.shape[0]]
             kernels.expand(kernels.shrink(x, self.slots.a, slots), self.slots.b, slots, y)
+            return y
+        if self.context.one_hot is not None:
+            self.slots.add_mixed(x, self.context.one_hot, y)
             return y
         for slot, rows in self.context.groups:
             if rows is None:

@@ -217,11 +217,18 @@ def _spec(r: dict[str, Any]) -> str:
             f"({cb['ngram'] / cb['plain']:.2f}×)")
 
 
+def _lora(r: dict[str, Any]) -> str:
+    ms = r["decode_step_ms"]
+    return (f"decode step {ms['base']:.2f} ms base-only → {ms['mixed']:.2f} ms with 4 adapters "
+            f"mixed ({r['ratio']:.2f}×), {r['graph_replays']} graph replays")
+
+
 _FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
     "build": _build, "kernels": _kernels, "parity_fp32": _fp32, "parity_bf16": _bf16,
     "structured": _structured,
     "throughput": _throughput,
     "profile": _profile, "serve": _serve, "spec": _spec,
+    "lora": _lora,
 }
 
 

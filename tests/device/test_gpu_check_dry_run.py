@@ -57,6 +57,10 @@ def test_every_stage_runs_and_parity_holds(dry_run: tuple[int, Path, str]) -> No
     assert int(spec["chain_tokens_followed"].split("/")[0]) >= 16
     assert 0 < spec["spec_accepted_tokens"] <= spec["spec_draft_tokens"]
     assert len(spec["targets"]) == 2 and spec["batch_tok_s"]["ngram"] > 0
+    lora = stages["lora"]  # both batches decoded every step, the adapters loaded once each
+    assert lora["decode_steps"] == {"base": DRY_SIZES.lora_output_len - 1,
+                                    "mixed": DRY_SIZES.lora_output_len - 1}
+    assert lora["adapter_loads"] == 4 and len(lora["targets"]) == 1
 
 
 def test_the_graph_loop_replays_the_eager_loop(dry_run: tuple[int, Path, str]) -> None:
