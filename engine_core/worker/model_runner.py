@@ -34,6 +34,7 @@ from engine_core.layers.chunk_pool import ChunkPool
 from engine_core.layers.linear import prepare_linears
 from engine_core.layers.lm_head import LMHead
 from engine_core.layers.parallel import TensorParallel
+from engine_core.lora import triton_lora
 from engine_core.lora.slots import LoRASlots, token_slots
 from engine_core.quant import fp8_kv
 from engine_core.sample.device_sampler import DeviceSampler, HeadWeights
@@ -117,8 +118,12 @@ class ModelRunner:
             if loaded.parts is None:
                 raise ValueError("--enable-lora needs Tandem's own model file (Llama, Qwen2, "
                                  f"Qwen3); this model runs through {loaded.source}")
-            self.lora = LoRASlots(self.decoder, loaded.parts, config.max_loras,
-                                  config.max_lora_rank, self.dtype, self.device)
+            # the kernels' slot buffer covers every step: eager ones and the graphs' sizes
+            self.lora = LoRASlots(
+                self.decoder, loaded.parts, config.max_loras, config.max_lora_rank, self.dtype,
+                self.device, triton_lora.device_kernels() if platform.lora_kernels else None,
+                max((platform.max_num_batched_tokens, *platform.cuda_graph_sizes,
+                     *platform.piecewise_sizes)))
         head = loaded.head
         self.head = LMHead(head.weight, head.bias, head.softcap, kernels=platform.head_kernels,
                            workers=platform.head_workers, chunk=platform.head_chunk, tp=tp,

@@ -83,6 +83,10 @@ class Platform:
     triton_decode: bool = True  # the CUDA path's decodes on the Triton kernel (TANDEM_...)
     triton_kv_write: bool = True  # ... and its KV-cache write
     triton_ops: bool = True  # ... and the layers' small ops (TANDEM_TRITON_OPS=0: torch's)
+    # LoRA on the shrink/expand kernels reading each token's slot on the device (graph-safe,
+    # engine_core/lora/triton_lora.py): the CUDA path with Triton, unless TANDEM_TRITON_LORA=0;
+    # else the plain path, which reads the step's rows on the host (steps eager)
+    lora_kernels: bool = False
     # speculative decoding proposes nothing while more requests run (unless
     # disable_by_batch_size says): where verifying a row still costs less than it saves
     speculation_max_batch: int = 4
@@ -108,6 +112,7 @@ class Platform:
         TANDEM_TRITON_DECODE=0 and TANDEM_TRITON_KV_WRITE=0 put the CUDA path's decodes into
         the varlen call and its KV write on torch ops (the device check's fallbacks);
         TANDEM_TRITON_OPS=0 runs the layers' small ops on torch's (the check's fallback);
+        TANDEM_TRITON_LORA=0 runs LoRA's plain path (and, with --enable-lora, no graphs);
         TANDEM_PIECEWISE=0 runs steps with a prefill eagerly (no piecewise graphs)."""
         env = os.environ if environ is None else environ
         device = resolve_device(config.device)
@@ -150,7 +155,11 @@ class Platform:
             fp8_scaled_mm=fp8_gemm(device, dtype),
             head_kernels=kernels,
         )
-        if config.enable_lora:  # (the plain LoRA path reads the step's rows on the host)
+        lora_kernels = (platform.attention == "cuda" and device.type == "cuda"
+                        and triton_attention.available()
+                        and env.get("TANDEM_TRITON_LORA", "1") != "0")
+        platform = replace(platform, lora_kernels=lora_kernels)
+        if config.enable_lora and not lora_kernels:  # (the plain path reads rows on the host)
             platform = replace(platform, cuda_graph_sizes=(), piecewise_sizes=())
         return platform.split(config.tensor_parallel_size)
 

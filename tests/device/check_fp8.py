@@ -1,6 +1,7 @@
 """fp8 weights on the device (issue 43): the checked model in-process, bf16 against the same
-build with FP8_OPTIONS (`--quantization fp8`: decoder weights in e4m3 with per-channel scales,
-activations per token, products on torch._scaled_mm), one engine at a time:
+build with FP8_OPTIONS (`--quantization fp8` and `--kv-cache-dtype fp8`: decoder weights in
+e4m3 with per-channel scales, activations per token, products on torch._scaled_mm; the KV cache
+in e4m3 with scales from the first batch), one engine at a time:
 
 - a decode step at batch `Sizes.batch` (median wall time of `timed_steps` decode-only steps,
   after the prefill and one untimed step): fp8's over bf16's, target <= 0.65;

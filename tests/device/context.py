@@ -84,6 +84,11 @@ class Sizes:
     fp8_prompts: int = 16
     fp8_new_tokens: int = 32
     fp8_kv_cache_bytes: int | None = None
+    # the lora stage (check_lora.py): the batch (4 adapters mixed, or none), its prompts and
+    # output tokens
+    lora_batch: int = 64
+    lora_input_len: int = 128
+    lora_output_len: int = 64
     # the kernels stage's (decodes, context) cases
     # the last: a context that fills neither a block (16) nor a tile (64), for the masking
     kernel_cases: tuple[tuple[int, int], ...] = ((64, 1024), (1, 32768), (3, 1061))

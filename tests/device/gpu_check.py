@@ -12,7 +12,8 @@ static-cache forward loop replayed from a CUDA graph at batch 64 (tests/device/g
 checked to replay its eager loop), a profiler table of engine decode steps and the host time
 of mixed steps, `tandem bench serve` at c256, c64 and c1 against one real `tandem serve`, and
 speculative decoding (n-gram) against the plain engine on a model that copies its prompt
-(tests/device/check_spec.py), and fp8 weights against bf16 (tests/device/check_fp8.py).
+(tests/device/check_spec.py), fp8 weights and KV against bf16 (tests/device/check_fp8.py), and
+decode steps with 4 LoRA adapters mixed against base-only ones (tests/device/check_lora.py).
 Each speed figure stands beside its roofline (tests/device/roofline.py) and issue 39's targets
 (tests/device/targets.py). Without a GPU (or with --dry-run) the same stages run on the CPU at
 a tiny size, through the GPU's code paths where the CPU can run them (the device sampler, the
@@ -50,6 +51,7 @@ from engine_core.worker.default_model import LLAMA32_1B_SHAPE, TinySpec
 from tests.device import (
     check_fp8,
     check_kernels,
+    check_lora,
     check_parity,
     check_serve,
     check_spec,
@@ -96,7 +98,8 @@ DRY_SIZES = Sizes(
     serve_kv_cache_bytes=64 << 20, time_limit_s=300.0, threads=1, structured_new_tokens=32,
     max_model_len=512, mixed_steps=2, spec_cycle=16, spec_prompts=1, spec_output_len=24,
     spec_batch=8, spec_batch_input_len=16, spec_batch_output_len=8,  # (above the CPU's bound)
-    fp8_batch=8, fp8_input_len=32, fp8_output_len=4, fp8_prompts=4, fp8_new_tokens=8)
+    fp8_batch=8, fp8_input_len=32, fp8_output_len=4, fp8_prompts=4, fp8_new_tokens=8,
+    lora_batch=8, lora_input_len=16, lora_output_len=8)
 
 STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {
     "build": check_parity.build,
@@ -109,6 +112,7 @@ STAGES: dict[str, Callable[[Context], dict[str, Any]]] = {
     "serve": check_serve.serve,
     "spec": check_spec.spec,
     "fp8": check_fp8.fp8,
+    "lora": check_lora.lora,
 }
 
 

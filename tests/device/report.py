@@ -226,11 +226,18 @@ def _fp8(r: dict[str, Any]) -> str:
             f"{agree['fp8']:.3f} (bf16 engine's own {agree['bf16']:.3f})")
 
 
+def _lora(r: dict[str, Any]) -> str:
+    ms = r["decode_step_ms"]
+    return (f"decode step {ms['base']:.2f} ms base-only → {ms['mixed']:.2f} ms with 4 adapters "
+            f"mixed ({r['ratio']:.2f}×), {r['graph_replays']} graph replays")
+
+
 _FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
     "build": _build, "kernels": _kernels, "parity_fp32": _fp32, "parity_bf16": _bf16,
     "structured": _structured,
     "throughput": _throughput,
     "profile": _profile, "serve": _serve, "spec": _spec, "fp8": _fp8,
+    "lora": _lora,
 }
 
 

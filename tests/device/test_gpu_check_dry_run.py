@@ -65,6 +65,10 @@ def test_every_stage_runs_and_parity_holds(dry_run: tuple[int, Path, str]) -> No
         assert engine["decode_step_ms"] > 0
     assert fp8["scored_tokens"] == DRY_SIZES.fp8_prompts * DRY_SIZES.fp8_new_tokens
     assert 0.5 <= fp8["argmax_agreement"]["fp8"] <= 1 and len(fp8["targets"]) == 3
+    lora = stages["lora"]  # both batches decoded every step, the adapters loaded once each
+    assert lora["decode_steps"] == {"base": DRY_SIZES.lora_output_len - 1,
+                                    "mixed": DRY_SIZES.lora_output_len - 1}
+    assert lora["adapter_loads"] == 4 and len(lora["targets"]) == 1
 
 
 def test_the_graph_loop_replays_the_eager_loop(dry_run: tuple[int, Path, str]) -> None:

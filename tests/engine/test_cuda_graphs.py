@@ -29,6 +29,7 @@ from engine_core.engine import EngineCore
 from engine_core.layers import triton_attention, triton_ops
 from engine_core.layers.ops import HeadShape, QKNorm, TorchOps
 from engine_core.layers.rotary import RotaryTable
+from engine_core.lora import triton_lora
 from engine_core.worker.cuda_graphs import capture_sizes
 from engine_core.worker.piecewise import piecewise_sizes
 from engine_core.worker.platform import Platform
@@ -43,11 +44,15 @@ REFERENCE_KERNELS = attention_cuda.Kernels(attention_cuda.sdpa_varlen,
 
 def cuda_path_engine(model: Any, monkeypatch: pytest.MonkeyPatch, graphs: bool,
                      kernels: attention_cuda.Kernels = REFERENCE_KERNELS,
-                     pieces: bool | None = None, **kw: Any) -> EngineCore:
+                     pieces: bool | None = None,
+                     lora_kernels: triton_lora.LoRAKernels = triton_lora.REFERENCE,
+                     **kw: Any) -> EngineCore:
     """An engine on the CUDA path's code on the CPU: its attention (reference kernels), the
-    device sampler and, with `graphs`, the stand-ins of the decode graphs and (unless `pieces`
-    says otherwise) of the piecewise graphs, over token counts up to 40."""
+    device sampler, with --enable-lora LoRA's kernel path (its references) and, with `graphs`,
+    the stand-ins of the decode graphs and (unless `pieces` says otherwise) of the piecewise
+    graphs, over token counts up to 40."""
     monkeypatch.setattr(attention_cuda, "cuda_kernels", lambda *_: kernels)
+    monkeypatch.setattr(triton_lora, "device_kernels", lambda: lora_kernels)
     config = EngineConfig(model=str(model), **{"num_kv_blocks": 64, "block_size": 8,
                                                "max_num_seqs": 16, **kw})
     pieces = graphs if pieces is None else pieces
@@ -55,7 +60,8 @@ def cuda_path_engine(model: Any, monkeypatch: pytest.MonkeyPatch, graphs: bool,
         Platform.detect(config, environ={**os.environ, "TANDEM_SAMPLER": "device"}),
         attention="cuda",
         cuda_graph_sizes=capture_sizes(16) if graphs else (),
-        piecewise_sizes=piecewise_sizes(40) if pieces else ())
+        piecewise_sizes=piecewise_sizes(40) if pieces else (),
+        lora_kernels=config.enable_lora)
     return EngineCore(config, platform)
 
 

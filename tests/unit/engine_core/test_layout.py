@@ -1,7 +1,8 @@
 """The engine's packages and their import order (docs/architecture.md): read from the source.
 
 Layers, bottom up: `layers/` and `structured/` (import nothing else of the engine), `sample/`
-and `models/` (the model files, on `layers/`), `sched/`, `worker/`, then the root's step
+and `models/` (the model files, on `layers/`), `sched/` and `lora/` (the adapters' slots, on
+`models/`), `worker/`, then the root's step
 pipeline and process. A module imports only its own
 package, packages below it, and the root's `config` (a leaf that imports nothing); no circle.
 Sampling reads one `SamplingBatch`, never the scheduler: `sample/` imports nothing of `sched/`.
@@ -17,7 +18,7 @@ import engine_core
 
 ROOT = Path(engine_core.__file__).parent
 RANK = {"quant": -1, "layers": 0, "structured": 0, "sample": 1, "models": 1, "spec": 1,
-        "sched": 2, "worker": 3, "": 4}
+        "sched": 2, "lora": 2, "worker": 3, "": 4}
 LEAF = "engine_core.config"
 
 
