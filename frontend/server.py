@@ -303,7 +303,8 @@ async def metrics(request: web.Request) -> web.Response:
     except (RuntimeError, TimeoutError) as exc:  # EngineDeadError, UtilityError, no answer
         message = f"Metrics are unavailable: the engine did not answer ({exc})."
         return OpenAIError(503, message).to_response()
-    body = render(stats, request.app[SERVED].name, group.ready.num_speculative_tokens)
+    body = render(stats, request.app[SERVED].name, group.ready.num_speculative_tokens,
+                  group.ready.max_loras)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
