@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import NamedTuple
+import time
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
 import torch
 
 from engine_core.config import EngineConfig
-from engine_core.lora.manager import LoRAManager
+from engine_core.lora.adapters import LoRAError
+from engine_core.lora.manager import LoRAManager, LoRANotFoundError
 from engine_core.outputs import StepNews
 from engine_core.pooling import PoolChunk, Pooler, embedding_bytes, pool_positions, pooling_error
 from engine_core.sample.batch_builder import build_sampling_batch
@@ -50,10 +52,12 @@ from engine_core.worker.model_runner import ModelRunner
 from engine_core.worker.platform import Platform
 from engine_core.worker.tensor_parallel import COLLECTIVE_TIMEOUT
 from engine_core.worker.threads import ThreadPolicy
+from shared.lora import LoRAModule
 from shared.messages import (
     MAX_LOGPROBS,
     EngineStats,
     FinishReason,
+    LoRACard,
     SamplingParams,
     StepOutputs,
 )
@@ -157,7 +161,10 @@ class EngineCore:
             self.counts.rejected[reason] = self.counts.rejected.get(reason, 0) + 1
             self._refused.append(_Refusal(request_id, owner, reason, error))
             return
-        self.scheduler.add(Request(request_id, prompt, params, owner, next(self._arrivals)))
+        request = Request(request_id, prompt, params, owner, next(self._arrivals))
+        if self.loras is not None:
+            request.lora_id = self.loras.id_of(params.lora)
+        self.scheduler.add(request)
 
     def _admission_error(self, request_id: str, prompt: list[int],
                          params: SamplingParams) -> str | None:
@@ -170,8 +177,9 @@ class EngineCore:
         if bad_params is not None:
             return bad_params
         if params.lora and (self.loras is None or not self.loras.knows(params.lora)):
+            served = [] if self.loras is None else self.loras.served()
             return (f"The model `{params.lora}` does not exist (LoRA adapters: "
-                    f"{', '.join(m.name for m in self.config.lora_modules) or 'none'})")
+                    f"{', '.join(m.name for m in served) or 'none'})")
         if self.config.runner == "pooling" and params.pooling is None:
             return "this server serves embeddings only (--runner pooling)"
         need = len(prompt) + (1 if params.max_tokens > 0 else 0)
@@ -183,6 +191,33 @@ class EngineCore:
             return (f"the request needs up to {longest} tokens of KV cache but the whole cache "
                     f"holds {self.blocks.num_blocks * self.blocks.block_size}")
         return None
+
+    # -- LoRA adapters at run time (/v1/load_lora_adapter, /v1/unload_lora_adapter) ---------
+    def add_lora(self, card: LoRACard) -> None:
+        """Serve one more adapter; raises LoRAError (LoRANotFoundError: no adapter there). A
+        name served before leaves no cached blocks behind: the prefix cache is reset (its
+        chains would start from the same root, with the old weights' KV)."""
+        if self.loras is None:
+            raise LoRAError("LoRA is not enabled: start the server with --enable-lora")
+        module = LoRAModule(card.name, card.path, card.base_model_name)
+        if self.loras.add(module):
+            self.blocks.reset_prefix_cache()
+
+    def remove_lora(self, name: str) -> None:
+        """New requests may no longer name it; the requests in the engine that do finish with
+        it, and its slot is freed after the last (vLLM's unload lets them finish too).
+        Raises LoRANotFoundError."""
+        if self.loras is None:
+            raise LoRANotFoundError(f"The lora adapter '{name}' cannot be found.")
+        self.loras.remove(name, self._adapters_in_use())
+
+    def served_loras(self) -> list[LoRACard]:
+        """The adapters new requests may name, in the order they were loaded."""
+        modules = [] if self.loras is None else self.loras.served()
+        return [LoRACard(m.name, m.path, m.base_model_name) for m in modules]
+
+    def _adapters_in_use(self) -> set[str | None]:
+        return {r.params.lora for r in self.scheduler.requests.values()}
 
     def abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
         """Drop these requests; `reason` "stop" when the frontend stopped them (stop string)."""
@@ -256,6 +291,8 @@ class EngineCore:
             self._fail_step(victims, exc, news, self.failed)
         _add_refusals(news, refused)
         self._structured_news(news, idle=not news and self._inflight is None)
+        if self.loras is not None and self.loras.retiring:
+            self.loras.retire(self._adapters_in_use())
         return self._pack(news)
 
     def _pack(self, news: StepNews) -> dict[bytes, StepOutputs]:
@@ -430,7 +467,24 @@ class EngineCore:
             finished=dict(progress.finished),
             rejected=dict(self.counts.rejected),
             cache_dtype=self.config.kv_cache_dtype,
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        """Each adapter's running and waiting requests, adapters in the order of their oldest
+        request in the engine (vLLM's lora_requests_info); nothing without --enable-lora."""
+        if self.loras is None:
+            return {}
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for req in self.scheduler.requests.values():
+            name = req.params.lora
+            if name:
+                running.setdefault(name, 0)
+                waiting.setdefault(name, 0)
+                counts = running if req.status is Status.RUNNING else waiting
+                counts[name] += 1
+        return {"lora_running": running, "lora_waiting": waiting, "lora_time": time.time()}
 
 
 class _RowPlan(NamedTuple):

@@ -31,6 +31,8 @@ import zmq
 
 from engine_core.engine import EngineCore
 from engine_core.liveness import TICK_S, FrontendLiveness, LoopProgress, RunningClock
+from engine_core.lora.adapters import LoRAError
+from engine_core.lora.manager import LoRANotFoundError
 from engine_core.metrics import HistogramTotals, StatsLog
 from shared.curve import secure_server, warn_if_open
 from shared.kv_events import KvEventsConfig, KvEventsFormat
@@ -222,7 +224,26 @@ class EngineProcess:
             self.core.blocks.reset_prefix_cache()
             self._publish_kv_events()
             return UtilityResult(msg.call_id)
+        if msg.method in ("add_lora", "remove_lora", "loras"):
+            return self._lora_utility(msg)
         return UtilityResult(msg.call_id, error=f"unknown utility method {msg.method!r}")
+
+    def _lora_utility(self, msg: UtilityRequest) -> UtilityResult:
+        """Load or unload an adapter (then answer the adapters served), or only answer them.
+        A failure carries the status vLLM answers it with: 404 for a folder without an
+        adapter or an unknown name, 400 for an adapter that cannot be served."""
+        try:
+            if msg.method != "loras" and msg.lora is None:
+                raise LoRAError(f"{msg.method} names no adapter")
+            if msg.method == "add_lora" and msg.lora is not None:
+                self.core.add_lora(msg.lora)
+                self._publish_kv_events()  # a name served again cleared the prefix cache
+            elif msg.method == "remove_lora" and msg.lora is not None:
+                self.core.remove_lora(msg.lora.name)
+        except LoRAError as exc:
+            status = 404 if isinstance(exc, LoRANotFoundError) else 400
+            return UtilityResult(msg.call_id, error=str(exc), status=status)
+        return UtilityResult(msg.call_id, loras=self.core.served_loras())
 
     def _trim_heap(self, idle: bool) -> None:
         """Every TRIM_EVERY_S of steps, and when the loop goes idle after steps (2-25 ms a

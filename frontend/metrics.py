@@ -45,12 +45,39 @@ REJECTED = (FinishReason.OVERLOADED, FinishReason.ERROR)
 
 
 def render(engines: Sequence[tuple[int, EngineStats]], model_name: str,
-           spec_tokens: int = 0) -> bytes:
+           spec_tokens: int = 0, max_loras: int = 0) -> bytes:
     """The Prometheus text exposition of the engines' figures, by (rank, stats); with
-    `spec_tokens` (the draft length, 0: no speculation) the spec_decode counters too."""
+    `spec_tokens` (the draft length, 0: no speculation) the spec_decode counters too; with
+    `max_loras` (--enable-lora's, 0: off) vllm:lora_requests_info."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_StatsCollector(engines, model_name, spec_tokens))
+    if max_loras:
+        registry.register(_LoRAInfo(engines, max_loras))
     return generate_latest(registry)
+
+
+class _LoRAInfo:
+    """vLLM's `vllm:lora_requests_info`: a gauge whose labels name the adapters with requests
+    and whose value is when that was seen (time.time()). As vLLM 0.32 writes it, both
+    `running_lora_adapters` and `waiting_lora_adapters` list every adapter with a running or
+    waiting request (its LoRARequestStates keys both by every adapter it tracks), and the
+    series has no engine label: engines whose adapters agree share one series (the latest
+    time), the others have their own (tests/data/lora_metrics/ holds vLLM's lines)."""
+
+    def __init__(self, engines: Sequence[tuple[int, EngineStats]], max_loras: int) -> None:
+        self.engines, self.max_loras = engines, max_loras
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   labels=["max_lora", "running_lora_adapters",
+                                           "waiting_lora_adapters"])
+        latest: dict[str, float] = {}
+        for _, stats in self.engines:
+            names = ",".join(stats.lora_running)  # (lora_waiting has the same keys)
+            latest[names] = max(latest.get(names, 0.0), stats.lora_time)
+        for names, when in latest.items():
+            family.add_metric([str(self.max_loras), names, names], when)
+        yield family
 
 
 class _StatsCollector:

@@ -40,6 +40,15 @@ from frontend.engine.group import PINNED_RANK, EngineGroup
 from frontend.engine.routing import RoutingConfig, add_routing_args, routing_config
 from frontend.errors import Handler, OpenAIError, bad_request, error_middleware
 from frontend.http_limits import HTTP_LIMITS, HttpLimits, body_limit, body_middleware
+from frontend.lora_admin import (
+    LORA_ENGINE,
+    LORA_SERVED,
+    LORA_UPDATES,
+    add_routes,
+    refresh_adapters,
+    refresh_middleware,
+    runtime_updates_allowed,
+)
 from frontend.memory import settle_gc
 from frontend.metrics import CONTENT_TYPE, render
 from frontend.openai.chat.endpoint import ServingChat
@@ -142,9 +151,12 @@ def init_app(
     """The frontend app; the engine handshake happens at startup (in cleanup_ctx)."""
     cors = cors_middleware(config.allowed_origins, config.allowed_methods,
                            config.allowed_headers, config.allow_credentials)
+    lora_updates = runtime_updates_allowed()  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
     app = web.Application(middlewares=[cors, error_middleware, auth_middleware, body_middleware,
+                                       *([refresh_middleware] if lora_updates else []),
                                        pin_middleware])
     app[CONFIG] = config
+    app[LORA_UPDATES] = lora_updates
     app[TRIMMER] = MemoryTrimmer()
     app.cleanup_ctx.append(partial(engine_context, tokenizer_loader=tokenizer_loader))
     app.on_response_prepare.append(add_frontend_header)
@@ -163,6 +175,8 @@ def init_app(
     app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    if lora_updates:
+        add_routes(app)
     return app
 
 
@@ -192,8 +206,8 @@ async def engine_context(
                            '"required" and named functions still constrain the output); pass '
                            "--chat-template with a template that renders them")
         served = ServedModel.from_ready(tokenizer, ready, config.served_model_name)
-        app[ENGINE] = client
-        app[SERVED] = served
+        app[ENGINE] = app[LORA_ENGINE] = client
+        app[SERVED] = app[LORA_SERVED] = served
         app[HTTP_LIMITS] = HttpLimits(
             body_limit(ready.max_model_len, config.max_request_body_bytes),
             config.http_read_timeout, config.http_write_timeout)
@@ -289,7 +303,8 @@ async def metrics(request: web.Request) -> web.Response:
     except (RuntimeError, TimeoutError) as exc:  # EngineDeadError, UtilityError, no answer
         message = f"Metrics are unavailable: the engine did not answer ({exc})."
         return OpenAIError(503, message).to_response()
-    body = render(stats, request.app[SERVED].name, group.ready.num_speculative_tokens)
+    body = render(stats, request.app[SERVED].name, group.ready.num_speculative_tokens,
+                  group.ready.max_loras)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -332,6 +347,8 @@ async def tokenizer_info(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
+    if request.app[LORA_UPDATES]:  # adapters another frontend loaded or unloaded
+        await refresh_adapters(request.app)
     return json_response(ModelList(request.app[SERVED].cards()))
 
 

@@ -160,7 +160,8 @@ class StopRequest(_Wire, tag="stop"):
 
 class UtilityRequest(_Wire, tag="util"):
     call_id: int
-    method: str  # "stats" | "ping"
+    method: str  # "stats" | "ping" | "reset_prefix_cache" | "add_lora" | "remove_lora" | "loras"
+    lora: LoRACard | None = None  # the adapter "add_lora" loads ("remove_lora": its name)
 
 
 class Histogram(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -216,6 +217,12 @@ class EngineStats(msgspec.Struct, omit_defaults=True, gc=False):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # --enable-lora: the adapters with requests in the engine (vLLM's lora_requests_info):
+    # each one's running and waiting requests, the adapters in the order of their oldest
+    # request, and when these were taken (time.time())
+    lora_running: dict[str, int] = {}
+    lora_waiting: dict[str, int] = {}
+    lora_time: float = 0.0
 
 
 class StepProgress(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -240,6 +247,8 @@ class UtilityResult(_Wire, tag="util_result"):
     error: str | None = None
     progress: StepProgress | None = None  # the answer to "ping"
     load: EngineLoad | None = None  # the answer to "ping"
+    loras: list[LoRACard] | None = None  # the adapters served now: the answer to the LoRA calls
+    status: int = 0  # with `error`: the HTTP status it means (0: a server error)
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -185,11 +185,13 @@ class BlockManager:
 
     def cache_full_blocks(self, blocks: Sequence[int], token_ids: Sequence[int],
                           hashes: list[int], num_computed: int, already: int,
-                          root: int = ROOT_PARENT) -> int:
+                          root: int = ROOT_PARENT,
+                          lora: tuple[int, str] | None = None) -> int:
         """Publish blocks [already, num_computed // block_size) in the prefix cache, `hashes`
         (the chain over `token_ids`' full blocks) extended in place as far as it needs: each
         block's tokens are packed once, for its hash and its key.
 
+        `lora`: the request's adapter (id, name), for the KV events.
         Returns the new count of published blocks for the caller to remember.
         """
         if not self.enable_prefix_caching:
@@ -211,15 +213,19 @@ class BlockManager:
                 key_of[b] = key
                 stored.append(i)
         if stored and self._events is not None:
-            self._events.extend(self._stored_events(stored, token_ids, hashes))
+            self._events.extend(self._stored_events(stored, token_ids, hashes, lora))
         return max(upto, already)
 
     def _stored_events(self, stored: list[int], token_ids: Sequence[int],
-                       hashes: Sequence[int]) -> list[BlockStored]:
+                       hashes: Sequence[int],
+                       lora: tuple[int, str] | None = None) -> list[BlockStored]:
         """One BlockStored per run of consecutive chain positions (vLLM's shape: a run names
-        its first block's parent, and carries every block's tokens; as vLLM 0.32's block pool
-        does for a prompt without LoRA, images or a cache salt, each block's extra keys are
-        None)."""
+        its first block's parent, and carries every block's tokens). As vLLM 0.32's block
+        pool fills them for a prompt without images or a cache salt: each block's extra keys
+        are None, or with a LoRA adapter its name alone, `(name,)`, beside the run's
+        `lora_id` and `lora_name`."""
+        lora_id, lora_name = lora if lora is not None else (None, None)
+        extra = None if lora_name is None else (lora_name,)
         runs: list[list[int]] = []
         for i in stored:
             if runs and runs[-1][-1] == i - 1:
@@ -230,8 +236,9 @@ class BlockManager:
         return [BlockStored(block_hashes=[hashes[i] for i in run],
                             parent_block_hash=hashes[run[0] - 1] if run[0] else None,
                             token_ids=list(token_ids[run[0] * bs:(run[-1] + 1) * bs]),
-                            block_size=bs, lora_id=None, medium=MEDIUM, lora_name=None,
-                            extra_keys=[None] * len(run), group_idx=GROUP)
+                            block_size=bs, lora_id=lora_id, medium=MEDIUM,
+                            lora_name=lora_name, extra_keys=[extra] * len(run),
+                            group_idx=GROUP)
                 for run in runs]
 
     def reset_prefix_cache(self) -> None:

@@ -59,6 +59,7 @@ class Request:
         # the scheduler starts it (engine_core/lora/manager.py)
         self.lora_slot = -1
         self.hash_root = root_parent(params.lora)  # its prefix-cache chain's seed
+        self.lora_id: int | None = None  # its adapter's stable id (KV events' lora_id)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -595,7 +595,8 @@ class Scheduler:
             return
         req.num_published_blocks = self.blocks.cache_full_blocks(
             req.block_ids, req.all_token_ids, req.block_hashes, req.num_computed_tokens,
-            req.num_published_blocks, req.hash_root)
+            req.num_published_blocks, req.hash_root,
+            None if req.lora_id is None else (req.lora_id, req.params.lora or ""))
 
 
 def _grammar_stop(req: Request, token: int, stop: Stop | None) -> Stop | None:

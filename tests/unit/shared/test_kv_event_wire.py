@@ -11,12 +11,15 @@ import msgspec
 import pytest
 import zmq
 
+from engine_core.sched.block_manager import BlockManager
+from shared.block_hash import chain_hashes, root_parent
 from shared.kv_events import (
     FORMATS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KvEvent,
+    KVEventBatch,
     KvEventDecoder,
     KvEventWire,
     parse_kv_events_config,
@@ -118,3 +121,21 @@ def test_a_batch_of_neither_form_is_refused_with_the_map_forms_complaint() -> No
         KvEventDecoder().decode(bad)
     with pytest.raises(msgspec.DecodeError):
         KvEventDecoder().decode(b"\xc1")
+
+
+def test_an_adapters_blocks_are_vllms_bytes() -> None:
+    """Blocks of the LoRA adapter "alpha" (the server's first: lora_id 1), cached by Tandem's
+    block manager, encode to the batch vLLM 0.32's classes wrote (map_lora.msgpack); the
+    decoder reads it back."""
+    bm = BlockManager(4, golden.BLOCK_SIZE)
+    bm.record_events()
+    blocks = bm.allocate(2)
+    assert blocks is not None
+    root = root_parent("alpha")
+    hashes = chain_hashes(golden.TOKENS[:4], golden.BLOCK_SIZE, root=root)
+    bm.cache_full_blocks(blocks, golden.TOKENS[:4], hashes, 4, 0, root, (1, "alpha"))
+    batch = KVEventBatch(1.5, bm.take_events(), golden.RANK)
+    recorded = (golden.FOLDER / "map_lora.msgpack").read_bytes()
+    assert KvEventWire("map").encode(batch) == recorded
+    assert KvEventDecoder().decode(recorded) == batch
+    assert hashes[0] != golden.H1  # an adapter's chain is its own
