@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_core.layers import native
+from engine_core.layers.chunk_pool import ChunkPool
 
 
 @dataclass
@@ -51,12 +52,15 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [slots, Hkv, D] each
     decode_kernels: native.Kernels | None = None  # the compiled CPU kernels' decode attention
+    # the threads a step's prefill chunks are shared over (their SDPA calls release the GIL):
+    # the decoder linears' pool on the CPU; None: one after another
+    pool: ChunkPool | None = None
 
 
 def build_metadata(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndarray,
                    block_size: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                   device: torch.device, decode_kernels: native.Kernels | None = None
-                   ) -> tuple[AttentionMetadata, np.ndarray]:
+                   device: torch.device, decode_kernels: native.Kernels | None = None,
+                   pool: ChunkPool | None = None) -> tuple[AttentionMetadata, np.ndarray]:
     """Metadata for one step. Returns it with the positions of the packed tokens.
 
     starts[i], num_new[i]: request i computes positions [starts[i], starts[i] + num_new[i]).
@@ -107,6 +111,7 @@ def build_metadata(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndar
         prefills=prefills,
         kv_caches=kv_caches,
         decode_kernels=decode_kernels,
+        pool=pool,
     )
     return meta, positions
 
@@ -163,19 +168,32 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
                                             attn_mask=meta.decode_mask, scale=scale,
                                             enable_gqa=True)
         out[meta.decode_rows] = od.squeeze(2)
-    for chunk in meta.prefills:
-        qp = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        if chunk.blocks is None:  # the sequence's first chunk: its context is this step's K/V
-            kp, vp = k[chunk.rows], v[chunk.rows]  # [q, Hkv, D]
-        else:
-            kp = blocks_k.index_select(0, chunk.blocks).flatten(0, 1)[:chunk.context]
-            vp = blocks_v.index_select(0, chunk.blocks).flatten(0, 1)[:chunk.context]
-        op = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0),
-                                            vp.transpose(0, 1).unsqueeze(0),
-                                            attn_mask=chunk.mask, is_causal=chunk.mask is None,
-                                            scale=scale, enable_gqa=True)
-        out[chunk.rows] = op[0].transpose(0, 1)
+    prefills = meta.prefills
+    if meta.pool is not None and len(prefills) > 1:
+        meta.pool.map(lambda i: _prefill(prefills[i], q, k, v, blocks_k, blocks_v, scale, out),
+                      len(prefills))
+    else:
+        for chunk in prefills:
+            _prefill(chunk, q, k, v, blocks_k, blocks_v, scale, out)
     return out
+
+
+def _prefill(chunk: PrefillChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             blocks_k: torch.Tensor, blocks_v: torch.Tensor, scale: float,
+             out: torch.Tensor) -> None:
+    """One prefill chunk's attention, into its rows of `out` (chunks' rows never overlap, so
+    chunks may run on several threads at once)."""
+    qp = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+    if chunk.blocks is None:  # the sequence's first chunk: its context is this step's K/V
+        kp, vp = k[chunk.rows], v[chunk.rows]  # [q, Hkv, D]
+    else:
+        kp = blocks_k.index_select(0, chunk.blocks).flatten(0, 1)[:chunk.context]
+        vp = blocks_v.index_select(0, chunk.blocks).flatten(0, 1)[:chunk.context]
+    op = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0),
+                                        vp.transpose(0, 1).unsqueeze(0),
+                                        attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                        scale=scale, enable_gqa=True)
+    out[chunk.rows] = op[0].transpose(0, 1)
 
 
 def _decode_in_place(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor,

@@ -252,12 +252,13 @@ class ModelRunner:
             return lambda starts, num_new, t, caches: attention_cuda.build_metadata(
                 starts, num_new, t.host, t.rows, t.device, block_size, caches, link, kernels)
         decodes = cpu_kernels if backend == "native" else None
+        pool = self.linear_pool  # (prefill chunks' attention shared over the linears' threads)
 
         def portable(starts: np.ndarray, num_new: np.ndarray, t: TableView,
                      caches: KVCaches) -> tuple[Any, np.ndarray]:
             width = max(1, -(-int((starts + num_new).max()) // block_size))
             return attention.build_metadata(starts, num_new, t.host[t.rows, :width], block_size,
-                                            caches, link.device, decodes)
+                                            caches, link.device, decodes, pool)
 
         return portable
 
@@ -388,6 +389,10 @@ class ModelRunner:
             position_ids = position_ids.int()
         pieces = self.piecewise
         size = pieces.size_for(len(input_ids)) if pieces is not None else None
+        if size is None and self.pieces is not None and not every_row:
+            # Tandem's own model: the last layer finishes the kept rows only
+            kept: torch.Tensor = self.decoder(input_ids, position_ids, meta, keep)
+            return kept
         hidden: torch.Tensor = (self.decoder(input_ids, position_ids, meta)
                                 if pieces is None or size is None
                                 else pieces.run(size, input_ids, position_ids, meta))
