@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_core.layers import native
+from engine_core.layers.chunk_pool import ChunkPool
 from engine_core.quant import fp8_kv
 from engine_core.quant.fp8_kv import KVScales
 
@@ -63,12 +64,16 @@ class AttentionMetadata:
     def scales(self, layer: int) -> torch.Tensor | None:
         """Layer `layer`'s row of fp8 scales, None without them."""
         return None if self.kv_scales is None else self.kv_scales.row(layer)
+    # the threads a step's prefill chunks are shared over (their SDPA calls release the GIL):
+    # the decoder linears' pool on the CPU; None: one after another
+    pool: ChunkPool | None = None
 
 
 def build_metadata(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndarray,
                    block_size: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                    device: torch.device, decode_kernels: native.Kernels | None = None,
-                   kv_scales: KVScales | None = None) -> tuple[AttentionMetadata, np.ndarray]:
+                   kv_scales: KVScales | None = None,
+                   pool: ChunkPool | None = None) -> tuple[AttentionMetadata, np.ndarray]:
     """Metadata for one step. Returns it with the positions of the packed tokens.
 
     starts[i], num_new[i]: request i computes positions [starts[i], starts[i] + num_new[i]).
@@ -123,6 +128,7 @@ def build_metadata(starts: np.ndarray, num_new: np.ndarray, block_table: np.ndar
         kv_caches=kv_caches,
         decode_kernels=decode_kernels,
         kv_scales=kv_scales,
+        pool=pool,
     )
     return meta, positions
 
@@ -182,21 +188,38 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
                                             attn_mask=meta.decode_mask, scale=scale,
                                             enable_gqa=True)
         out[meta.decode_rows] = od.squeeze(2)
-    for chunk in meta.prefills:
-        qp = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        if chunk.blocks is None:  # the sequence's first chunk: its context is this step's K/V
-            kp = fp8_kv.as_stored(k[chunk.rows], k_cache, scales, 0)  # [q, Hkv, D]
-            vp = fp8_kv.as_stored(v[chunk.rows], v_cache, scales, 1)
-        else:
-            kp = blocks_k.index_select(0, chunk.blocks).flatten(0, 1)[:chunk.context]
-            vp = blocks_v.index_select(0, chunk.blocks).flatten(0, 1)[:chunk.context]
-            kp, vp = fp8_kv.read(kp, scales, 0, q.dtype), fp8_kv.read(vp, scales, 1, q.dtype)
-        op = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0),
-                                            vp.transpose(0, 1).unsqueeze(0),
-                                            attn_mask=chunk.mask, is_causal=chunk.mask is None,
-                                            scale=scale, enable_gqa=True)
-        out[chunk.rows] = op[0].transpose(0, 1)
+    prefills = meta.prefills
+    caches = (k_cache, v_cache, scales)
+    if meta.pool is not None and len(prefills) > 1:
+        meta.pool.map(lambda i: _prefill(prefills[i], q, k, v, blocks_k, blocks_v, caches, scale,
+                                         out), len(prefills))
+    else:
+        for chunk in prefills:
+            _prefill(chunk, q, k, v, blocks_k, blocks_v, caches, scale, out)
     return out
+
+
+def _prefill(chunk: PrefillChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             blocks_k: torch.Tensor, blocks_v: torch.Tensor,
+             caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], scale: float,
+             out: torch.Tensor) -> None:
+    """One prefill chunk's attention, into its rows of `out` (chunks' rows never overlap, so
+    chunks may run on several threads at once); `caches`: the layer's K and V caches and its
+    fp8 scales (None: not fp8)."""
+    k_cache, v_cache, scales = caches
+    qp = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+    if chunk.blocks is None:  # the sequence's first chunk: its context is this step's K/V
+        kp = fp8_kv.as_stored(k[chunk.rows], k_cache, scales, 0)  # [q, Hkv, D]
+        vp = fp8_kv.as_stored(v[chunk.rows], v_cache, scales, 1)
+    else:
+        kp = blocks_k.index_select(0, chunk.blocks).flatten(0, 1)[:chunk.context]
+        vp = blocks_v.index_select(0, chunk.blocks).flatten(0, 1)[:chunk.context]
+        kp, vp = fp8_kv.read(kp, scales, 0, q.dtype), fp8_kv.read(vp, scales, 1, q.dtype)
+    op = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0),
+                                        vp.transpose(0, 1).unsqueeze(0),
+                                        attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                        scale=scale, enable_gqa=True)
+    out[chunk.rows] = op[0].transpose(0, 1)
 
 
 def _decode_in_place(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor,

@@ -138,12 +138,20 @@ class LlamaModel(nn.Module):
         """What is computed rather than loaded: the rotary table for `positions`."""
         self.rotary = rotary_table(self.config, positions, self.embed_tokens.weight.device)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states of every row, or of the rows `keep` only: the others'
+        keys and values are written and attended like any, but the last layer's output
+        product, MLP and the final norm skip them (no later layer reads them)."""
         residual, qkv = self.begin(ids)
         for i in range(self.num_layers):
             attended = self.attention(i, qkv, positions, meta)
             if i + 1 < self.num_layers:
                 qkv = self.between(i, attended, residual)
+        if keep is not None:
+            if not len(keep):
+                return residual.new_empty((0, residual.shape[1]))
+            attended, residual = attended.index_select(0, keep), residual.index_select(0, keep)
         return self.end(attended, residual)
 
     # -- the pieces ---------------------------------------------------------------------------

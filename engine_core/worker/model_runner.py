@@ -266,12 +266,13 @@ class ModelRunner:
                 starts, num_new, t.host, t.rows, t.device, block_size, caches, link, kernels,
                 scales)
         decodes = cpu_kernels if backend == "native" else None
+        pool = self.linear_pool  # (prefill chunks' attention shared over the linears' threads)
 
         def portable(starts: np.ndarray, num_new: np.ndarray, t: TableView,
                      caches: KVCaches) -> tuple[Any, np.ndarray]:
             width = max(1, -(-int((starts + num_new).max()) // block_size))
             return attention.build_metadata(starts, num_new, t.host[t.rows, :width], block_size,
-                                            caches, link.device, decodes, scales)
+                                            caches, link.device, decodes, scales, pool)
 
         return portable
 
@@ -406,6 +407,11 @@ class ModelRunner:
         calibrating = (self.kv_scales is not None and kv_caches is self.kv_caches
                        and self.kv_scales.arm())
         try:
+            if size is None and self.pieces is not None and not every_row and self.lora is None:
+                # Tandem's own model: the last layer finishes the kept rows only (not with
+                # LoRA, whose step rows are every row's)
+                kept: torch.Tensor = self.decoder(input_ids, position_ids, meta, keep)
+                return kept
             hidden: torch.Tensor = (self.decoder(input_ids, position_ids, meta)
                                     if pieces is None or size is None
                                     else pieces.run(size, input_ids, position_ids, meta))
