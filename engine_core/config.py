@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.engine_args import KV_CACHE_DTYPES
-from shared.lora import LoRAModule
+from shared.engine_args import KV_CACHE_DTYPES, LoRAModule
 from shared.messages import Pooling
 from shared.speculative import SpeculativeConfig
 

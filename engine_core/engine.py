@@ -31,10 +31,16 @@ from engine_core.config import EngineConfig
 from engine_core.lora.adapters import LoRAError
 from engine_core.lora.manager import LoRAManager, LoRANotFoundError
 from engine_core.outputs import StepNews
-from engine_core.pooling import PoolChunk, Pooler, embedding_bytes, pool_positions, pooling_error
 from engine_core.sample.batch_builder import build_sampling_batch
 from engine_core.sample.device_sampler import DeviceSampler
 from engine_core.sample.interface import PendingSample, SamplerOutput, TokenSampler
+from engine_core.sample.pooling import (
+    PoolChunk,
+    Pooler,
+    embedding_bytes,
+    pool_positions,
+    pooling_error,
+)
 from engine_core.sample.prompt_logprobs import PromptChunk, PromptLogprobsAccumulator
 from engine_core.sample.sampler import Sampler
 from engine_core.sample.sampling_batch import Drafts, SamplingBatch
@@ -52,7 +58,7 @@ from engine_core.worker.model_runner import ModelRunner
 from engine_core.worker.platform import Platform
 from engine_core.worker.tensor_parallel import COLLECTIVE_TIMEOUT
 from engine_core.worker.threads import ThreadPolicy
-from shared.lora import LoRAModule
+from shared.engine_args import LoRAModule
 from shared.messages import (
     MAX_LOGPROBS,
     EngineStats,

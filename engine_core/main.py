@@ -10,11 +10,15 @@ from typing import TYPE_CHECKING
 
 from shared.argv import ConfigFileError, normalize
 from shared.curve import CurveKeyError, open_engine_refusal, server_keys
-from shared.engine_args import add_engine_args, check_engine_args
+from shared.engine_args import (
+    add_engine_args,
+    check_engine_args,
+    check_runner,
+    parse_lora_modules,
+    parse_pooler_config,
+)
 from shared.kv_events import parse_kv_events_config
-from shared.lora import parse_lora_modules
 from shared.messages import LoRACard, Ready
-from shared.pooling import check_runner, parse_pooler_config
 from shared.speculative import parse_speculative_config
 
 if TYPE_CHECKING:  # the engine's modules import torch: only once the arguments are parsed

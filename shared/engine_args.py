@@ -7,14 +7,115 @@ engine process unchanged (`engine_argv`).
 from __future__ import annotations
 
 import argparse
+import json
+from dataclasses import dataclass
+
+import msgspec
 
 from shared.kv_events import FORMATS, KvEventsConfigError, parse_kv_events_config
-from shared.lora import LoRAModulesError, parse_lora_modules
-from shared.messages import MAX_LOGPROBS
-from shared.pooling import PoolerConfigError, check_runner, parse_pooler_config
+from shared.messages import MAX_LOGPROBS, Pooling
 from shared.speculative import SpeculativeConfigError, parse_speculative_config
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # engine_core/quant/fp8_kv.py stores fp8
+
+
+# -- --lora-modules (vLLM's forms), checked without torch; the engine reads the adapters
+# themselves (engine_core/lora/)
+class LoRAModulesError(ValueError):
+    """A `--lora-modules` value that cannot be served; the message says why."""
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """An adapter the server knows: the name requests use as their `model`, its folder."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_modules(values: list[str] | None) -> tuple[LoRAModule, ...]:
+    """vLLM's `--lora-modules` values: `name=path` or `{"name": ..., "path": ...,
+    "base_model_name": ...}`; raises LoRAModulesError."""
+    modules = []
+    for value in values or ():
+        if value.lstrip().startswith("{"):
+            try:
+                given = json.loads(value)
+                module = LoRAModule(str(given["name"]), str(given["path"]),
+                                    given.get("base_model_name"))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise LoRAModulesError(f"--lora-modules {value!r}: a JSON module needs "
+                                       f"\"name\" and \"path\" ({exc})") from None
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not name or not path:
+                raise LoRAModulesError(f"--lora-modules {value!r}: name=path or JSON")
+            module = LoRAModule(name, path)
+        modules.append(module)
+    names = [m.name for m in modules]
+    if len(set(names)) != len(names):
+        raise LoRAModulesError(f"--lora-modules: a name given twice ({', '.join(names)})")
+    return tuple(modules)
+
+
+# -- --runner, --convert and --pooler-config: how a server embeds (vLLM's flags). `--runner
+# pooling --convert embed` serves a decoder as an embedding model, as vLLM does: each input's
+# final hidden states pooled into one vector (/v1/embeddings), nothing generated; the default
+# runner ("generate") serves generation and embeds as well. The pooler is vLLM's
+# `--pooler-config` JSON (LAST normalized by default); the engine pools
+# (engine_core/sample/pooling.py).
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "embed", "none")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+class PoolerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """vLLM's `--pooler-config` keys that Tandem serves (vLLM's later names beside them)."""
+
+    pooling_type: str | None = None
+    seq_pooling_type: str | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+
+
+class PoolerConfigError(ValueError):
+    """A `--pooler-config` (or runner / convert) that cannot be served; the message says why."""
+
+
+def parse_pooler_config(text: str | None) -> Pooling:
+    """`--pooler-config JSON` (None: the defaults) as the pooling every embedding request gets
+    unless it says otherwise; raises PoolerConfigError."""
+    if text is None:
+        return Pooling()
+    try:
+        config = msgspec.json.decode(text, type=PoolerConfig)
+    except msgspec.DecodeError as exc:
+        raise PoolerConfigError(
+            f"--pooler-config: {exc} (Tandem serves the keys pooling_type and normalize)"
+        ) from None
+    kind = (config.pooling_type or config.seq_pooling_type or "LAST").upper()
+    if kind not in POOLING_TYPES:
+        raise PoolerConfigError(f"--pooler-config: pooling_type {kind!r} is not served; "
+                                f"choose one of {', '.join(POOLING_TYPES)}")
+    normalize = config.normalize if config.normalize is not None else config.use_activation
+    return Pooling(kind.lower(), True if normalize is None else normalize)
+
+
+def check_runner(runner: str, convert: str) -> str:
+    """The runner `--runner`/`--convert` ask for ("generate" or "pooling"); raises
+    PoolerConfigError for a conversion other than to an embedding model."""
+    if runner not in RUNNERS:
+        raise PoolerConfigError(f"--runner {runner!r}: choose one of {', '.join(RUNNERS)}")
+    if convert not in CONVERTS:
+        raise PoolerConfigError(f"--convert {convert!r}: Tandem converts a decoder to an "
+                                "embedding model only (--convert embed)")
+    if runner == "generate" and convert == "embed":
+        raise PoolerConfigError("--convert embed needs --runner pooling")
+    if runner == "pooling" and convert == "none":
+        raise PoolerConfigError("--runner pooling --convert none: Tandem's models are decoders; "
+                                "pool them with --convert embed")
+    return "pooling" if runner == "pooling" else "generate"
 
 _ENGINE_FLAGS = (
     ("--served-model-name", {

@@ -26,7 +26,7 @@ import torch
 
 from engine_core.lora.adapters import LoRAAdapter, LoRAError, read_adapter
 from engine_core.lora.slots import LoRASlots
-from shared.lora import LoRAModule
+from shared.engine_args import LoRAModule
 
 log = logging.getLogger(__name__)
 NO_ADAPTER = -1

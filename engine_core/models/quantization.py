@@ -8,7 +8,7 @@ tensor, dynamic or static) and the "fp8" method (per-tensor `weight_scale`, opti
 `input_scale`, `activation_scheme` dynamic or static). Anything else that config.json says
 is quantized (block-wise fp8, int8/int4, GPTQ, AWQ, a KV-cache scheme, ...) is refused at
 start-up with its name (`QuantizationError`). `fp8_linears` turns a model file's decoder
-linears into `Fp8Linear`s (engine_core/layers/fp8.py) before its weights load; the LM head
+linears into `Fp8Linear`s (engine_core/quant/fp8.py) before its weights load; the LM head
 and the embedding stay in the model's dtype.
 """
 
@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from torch import nn
 
-from engine_core.layers.fp8 import Activations, Fp8Linear
+from engine_core.quant.fp8 import Activations, Fp8Linear
 
 QUANTIZATIONS = ("fp8",)  # --quantization's choices
 DECODER_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -30,9 +30,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine_core.layers.fp8 import FP8, quantize_rows
 from engine_core.models.parts import ModelKit, Part, Slice
 from engine_core.models.quantization import Fp8Scheme, fp8_linears
+from engine_core.quant.fp8 import FP8, quantize_rows
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # computed, in old checkpoints
 SCALES = (".weight_scale", ".input_scale")

@@ -80,7 +80,7 @@ class Request:
     @property
     def pools_every_position(self) -> bool:
         """A pooling request that reads every prompt position ("mean", "cls"): computed
-        whole, never from the prefix cache (engine_core/pooling.py)."""
+        whole, never from the prefix cache (engine_core/sample/pooling.py)."""
         pooling = self.params.pooling
         return pooling is not None and pooling.kind != "last"
 

@@ -162,7 +162,7 @@ class SchedulerOutput:
 
     @property
     def pools(self) -> bool:
-        """Whether an item is a pooling request's prompt chunk (engine_core/pooling.py)."""
+        """Whether an item is a pooling request's prompt chunk (engine_core/sample/pooling.py)."""
         return any(s.request.params.pooling is not None for s in self.special.values())
 
     def prompts_done(self) -> list[Request]:

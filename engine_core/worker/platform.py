@@ -90,7 +90,7 @@ class Platform:
     # speculative decoding proposes nothing while more requests run (unless
     # disable_by_batch_size says): where verifying a row still costs less than it saves
     speculation_max_batch: int = 4
-    # fp8 weights' products on torch._scaled_mm (engine_core/layers/fp8.py): a GPU of compute
+    # fp8 weights' products on torch._scaled_mm (engine_core/quant/fp8.py): a GPU of compute
     # capability 8.9+ (Ada, Hopper and later) serving bf16; elsewhere dequantized per product
     fp8_scaled_mm: bool = False
     # The LM head's compiled CPU kernels, loaded once; None: torch ops do the head.

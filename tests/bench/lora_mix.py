@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
 from engine_core.worker.default_model import BUILTIN, ensure_model
-from shared.lora import LoRAModule
+from shared.engine_args import LoRAModule
 from shared.messages import SamplingParams
 
 

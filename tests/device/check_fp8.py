@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from engine_core.engine import EngineCore
-from engine_core.layers.fp8 import Fp8Linear
+from engine_core.quant.fp8 import Fp8Linear
 from shared.messages import SamplingParams
 from tests.bench.engine_throughput import make_prompts
 from tests.device.check_speed import drive

@@ -19,7 +19,7 @@ from typing import Any
 
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
-from shared.lora import LoRAModule
+from shared.engine_args import LoRAModule
 from shared.messages import SamplingParams
 from tests.bench.lora_mix import write_adapter
 from tests.device.context import Context

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
-from engine_core.layers.fp8 import Fp8Linear
+from engine_core.quant.fp8 import Fp8Linear
 from engine_core.worker.platform import Platform
 from shared.speculative import parse_speculative_config
 from tests.engine.test_hf_parity import (

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from engine_core.engine import EngineCore
 from engine_core.lora.adapters import LoRAError
-from shared.lora import LoRAModule
+from shared.engine_args import LoRAModule
 from shared.messages import FinishReason, SamplingParams
 from tests.engine.driver import run
 from tests.engine.test_hf_parity import MAX_NEW, Reference, engine, make_prompts

@@ -3,7 +3,7 @@
 Every input is one prompt-only engine request with `SamplingParams.pooling` (the server's
 `--pooler-config`, a request's `dimensions` and vLLM's `normalize`); all are sent at once and
 the answer lists their vectors in input order. The engine pools the final hidden states
-(engine_core/pooling.py) and sends each vector, float32, on its request's finish row: "float"
+(engine_core/sample/pooling.py) and sends each vector, float32, on its request's finish row: "float"
 answers those values as JSON numbers, "base64" their little-endian bytes, as OpenAI's does.
 """
 

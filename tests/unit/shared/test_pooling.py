@@ -7,10 +7,16 @@ import argparse
 
 import pytest
 
-from engine_core.pooling import pool_positions
-from shared.engine_args import add_engine_args, check_engine_args, engine_argv
+from engine_core.sample.pooling import pool_positions
+from shared.engine_args import (
+    PoolerConfigError,
+    add_engine_args,
+    check_engine_args,
+    check_runner,
+    engine_argv,
+    parse_pooler_config,
+)
 from shared.messages import Pooling
-from shared.pooling import PoolerConfigError, check_runner, parse_pooler_config
 
 
 @pytest.mark.parametrize(("text", "want"), [

@@ -1,4 +1,4 @@
-"""The fp8 quantizer and linear layer (engine_core/layers/fp8.py) against references written
+"""The fp8 quantizer and linear layer (engine_core/quant/fp8.py) against references written
 plainly here: e4m3's values enumerated from its 256 codes, each number rounded to the nearest
 (ties to the even code), scales amax / 448 per row, saturation at ±448; the fp8 GEMM path
 (torch._scaled_mm, which this CPU also runs) against the product of the dequantized operands."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_core.layers.fp8 import (
+from engine_core.quant.fp8 import (
     FP8,
     Fp8Linear,
     dequantize,

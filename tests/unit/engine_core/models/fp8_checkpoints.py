@@ -99,7 +99,7 @@ def dequantized_copy(folder: Path, out: Path) -> Path:
     dequantized self (the engine's `quantize_rows`, tested against a plain reference in
     tests/unit/engine_core/layers/test_fp8.py), saved to `out`: what `--quantization fp8`
     computes on the CPU."""
-    from engine_core.layers.fp8 import dequantize, quantize_rows
+    from engine_core.quant.fp8 import dequantize, quantize_rows
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     with torch.no_grad():

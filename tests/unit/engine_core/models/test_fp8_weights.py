@@ -16,13 +16,13 @@ from torch import nn
 from transformers import AutoConfig
 
 from engine_core.layers import attention
-from engine_core.layers.fp8 import FP8, Fp8Linear, quantize_rows
 from engine_core.layers.ops import TorchOps
 from engine_core.layers.parallel import TensorParallel
 from engine_core.models import model_class
 from engine_core.models.parts import ModelKit
 from engine_core.models.quantization import Fp8Scheme, QuantizationError, fp8_scheme
 from engine_core.models.weights import checkpoint_files, load_model
+from engine_core.quant.fp8 import FP8, Fp8Linear, quantize_rows
 from tests.unit.engine_core.models.fp8_checkpoints import (
     FORMATS,
     IGNORED,
