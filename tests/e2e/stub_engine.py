@@ -46,6 +46,7 @@ class StubCore:
         self.counts = EngineStats()
         self.scheduler = _Scheduler()
         self.step_s = step_s
+        self.failed: str | None = None  # (EngineCore's: why the engine cannot go on)
         self._running = threading.Event()
         self._running.set()
 
