@@ -38,10 +38,6 @@ class LoRAAdapter:
     # (layer, target) -> (A [r, in], B [out, r] times the scale), on the host
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
-
 
 def read_adapter(module: LoRAModule, max_rank: int, num_layers: int,
                  dtype: torch.dtype) -> LoRAAdapter:

@@ -78,9 +78,6 @@ class Pooler:
     def __init__(self) -> None:
         self._partial: dict[str, torch.Tensor] = {}
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._partial
-
     def drop(self, request_id: str) -> None:
         """Forget a request's partial vector (preempted: pooled again; or aborted)."""
         self._partial.pop(request_id, None)
