@@ -1,5 +1,6 @@
-"""The CPU's decode attention on the compiled kernel, reading the paged cache in place, against
-the portable torch path (gathered blocks, padded, one SDPA call) on the same step."""
+"""The CPU's attention on the compiled kernels against the portable torch path on the same
+step: decodes reading the paged cache in place (against gathered blocks, padded, one SDPA
+call), and prefill chunks by the causal kernel (against SDPA per chunk)."""
 
 from __future__ import annotations
 
