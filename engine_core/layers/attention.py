@@ -58,7 +58,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [slots, Hkv, D] each
-    decode_kernels: native.Kernels | None = None  # the compiled CPU kernels' decode attention
+    # the compiled CPU kernels: decode rows' attention, and prefill chunks' where it applies
+    decode_kernels: native.Kernels | None = None
     kv_scales: KVScales | None = None  # an fp8 cache's scales (quant/fp8_kv.py)
 
     def scales(self, layer: int) -> torch.Tensor | None:
@@ -190,22 +191,34 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
         out[meta.decode_rows] = od.squeeze(2)
     prefills = meta.prefills
     caches = (k_cache, v_cache, scales)
+    kernels = meta.decode_kernels if _compiled_prefill(q, k_cache, scales, out) else None
     if meta.pool is not None and len(prefills) > 1:
         meta.pool.map(lambda i: _prefill(prefills[i], q, k, v, blocks_k, blocks_v, caches, scale,
-                                         out), len(prefills))
+                                         out, kernels), len(prefills))
     else:
         for chunk in prefills:
-            _prefill(chunk, q, k, v, blocks_k, blocks_v, caches, scale, out)
+            _prefill(chunk, q, k, v, blocks_k, blocks_v, caches, scale, out, kernels)
     return out
+
+
+def _compiled_prefill(q: torch.Tensor, k_cache: torch.Tensor, scales: torch.Tensor | None,
+                      out: torch.Tensor) -> bool:
+    """Whether the compiled kernel can run this layer's prefill chunks: float32 queries and
+    cache (not fp8), head size a multiple of 32, each row's heads contiguous."""
+    dim = q.shape[-1]
+    return (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and scales is None
+            and dim % 32 == 0 and q.stride(-1) == 1 and q.stride(-2) == dim
+            and out.stride(-1) == 1 and out.stride(-2) == dim)
 
 
 def _prefill(chunk: PrefillChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              blocks_k: torch.Tensor, blocks_v: torch.Tensor,
              caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], scale: float,
-             out: torch.Tensor) -> None:
+             out: torch.Tensor, kernels: native.Kernels | None = None) -> None:
     """One prefill chunk's attention, into its rows of `out` (chunks' rows never overlap, so
     chunks may run on several threads at once); `caches`: the layer's K and V caches and its
-    fp8 scales (None: not fp8)."""
+    fp8 scales (None: not fp8); `kernels`: the compiled causal kernel, where it applies
+    (`_compiled_prefill`), else SDPA."""
     k_cache, v_cache, scales = caches
     qp = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
     if chunk.blocks is None:  # the sequence's first chunk: its context is this step's K/V
@@ -215,11 +228,29 @@ def _prefill(chunk: PrefillChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         kp = blocks_k.index_select(0, chunk.blocks).flatten(0, 1)[:chunk.context]
         vp = blocks_v.index_select(0, chunk.blocks).flatten(0, 1)[:chunk.context]
         kp, vp = fp8_kv.read(kp, scales, 0, q.dtype), fp8_kv.read(vp, scales, 1, q.dtype)
+    if kernels is not None:
+        _prefill_in_place(kernels, q[chunk.rows], kp, vp, scale, out[chunk.rows])
+        return
     op = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0),
                                         vp.transpose(0, 1).unsqueeze(0),
                                         attn_mask=chunk.mask, is_causal=chunk.mask is None,
                                         scale=scale, enable_gqa=True)
     out[chunk.rows] = op[0].transpose(0, 1)
+
+
+def _prefill_in_place(kernels: native.Kernels, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """A chunk's causal attention by the compiled kernel: queries q [n, H, D] over the context
+    k, v [ctx, Hkv, D] whose last n positions are the queries' own, into out [n, H, D]. Each
+    row's heads are contiguous; rows may be strided (views into the step's packed q, k, v)."""
+    rows, heads, dim = q.shape
+    context, kv_heads = k.shape[0], k.shape[1]
+    assert k.stride(-1) == v.stride(-1) == 1 and k.stride(-2) == v.stride(-2) == dim
+    padded = -(-context // 32) * 32
+    scratch = torch.empty((dim + 8) * padded + dim * 8)  # keys transposed, a tile's q, scores
+    kernels.prefill_attention(q.data_ptr(), q.stride(0), rows, k.data_ptr(), k.stride(0),
+                              v.data_ptr(), v.stride(0), context, heads, kv_heads, dim, scale,
+                              out.data_ptr(), out.stride(0), scratch.data_ptr())
 
 
 def _decode_in_place(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor,

@@ -62,6 +62,11 @@ class Kernels:
         self.decode_attention.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _F,
                                           _P, _I, _P]
         self.decode_attention.restype = None
+        # a prefill chunk's causal attention over a contiguous context (attention.py)
+        self.prefill_attention = lib.prefill_attention
+        self.prefill_attention.argtypes = [_P, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P,
+                                           _I, _P]
+        self.prefill_attention.restype = None
 
 
 def pack_panels(weight_t: torch.Tensor) -> torch.Tensor:

@@ -238,3 +238,128 @@ void decode_attention(const float *q, int64_t ldq, int64_t rows, const float *k_
         default: ATTEND(dim); break;
     }
 }
+
+/* Causal attention of one prefill chunk's n query rows over a contiguous context of ctx keys
+ * whose last n are the chunk's own (engine_core/attention.py): row i sees keys
+ * t <= ctx - n + i. q[i] is [heads][dim] (row stride ldq); k and v are [ctx][kv_heads][dim]
+ * (row strides ldk, ldv); out[i] is [heads][dim] (row stride ldo). dim: a multiple of 2 * VW.
+ * Per KV head, its keys are transposed once into scratch ([dim][ctxp], ctxp = ctx rounded up to
+ * 2 * VW), so that a tile of PT query vectors (row, head of the group) scores 2 * VW keys per
+ * step with one broadcast FMA per query vector and key vector; a tile stops at its last row's
+ * causal limit, so the masked half of the square is never computed. Softmax per query vector
+ * (max subtracted, float32 sums), then the weighted sum of the values, 2 * VW of the head's
+ * dims at a time. scratch: at least (dim + PT) * ctxp + dim * PT floats. */
+#define PT 8 /* query vectors per tile */
+#define KW (2 * VW) /* keys scored per step; dims summed per step */
+static void prefill_scores(const float *qt, const float *kt, int64_t ctxp, int64_t dim,
+                           int64_t limit, float scale, float *s) {
+    for (int64_t t = 0; t < limit; t += KW) {
+        vec acc[PT][2];
+        for (int r = 0; r < PT; r++) acc[r][0] = acc[r][1] = (vec){0};
+        for (int64_t d = 0; d < dim; d++) {
+            vec k0 = loadv(kt + d * ctxp + t), k1 = loadv(kt + d * ctxp + t + VW);
+            for (int r = 0; r < PT; r++) {
+                vec qd = (vec){0} + qt[d * PT + r];
+                acc[r][0] += qd * k0;
+                acc[r][1] += qd * k1;
+            }
+        }
+        for (int r = 0; r < PT; r++) {
+            storev(s + r * ctxp + t, acc[r][0] * scale);
+            storev(s + r * ctxp + t + VW, acc[r][1] * scale);
+        }
+    }
+}
+
+typedef int32_t ivec __attribute__((vector_size(VW * 4)));
+
+/* e^x for x <= 0, a vector at a time (0 below -87): 2^n by the exponent bits times e^g,
+ * |g| <= ln 2 / 2, by its Taylor series to degree 7 (relative error below 1e-8; glibc's own
+ * vector expf is 8 floats wide here and was a third of a chunk's attention). */
+static inline vec exp_nonpositive(vec x) {
+    ivec low = x < (vec){0} - 87.0f;
+    x = (vec)(((ivec)x & ~low) | ((ivec)((vec){0} - 87.0f) & low));
+    ivec n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, ivec); /* round */
+    vec nf = __builtin_convertvector(n, vec);
+    vec g = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
+    vec p = 1.0f + g * (1.0f + g * (0.5f + g * (1.0f / 6 + g * (1.0f / 24 + g * (
+        1.0f / 120 + g * (1.0f / 720 + g * (1.0f / 5040)))))));
+    return (vec)((ivec)p + (n << 23));
+}
+
+/* p[0:n] replaced by its softmax weights, unnormalized, and p[n:limit] by zeros; returns
+ * 1 / their sum. p has room for n rounded up to VW. */
+static float softmax_weights(float *p, int64_t n, int64_t limit) {
+    float m = p[0];
+    for (int64_t t = 1; t < n; t++) m = p[t] > m ? p[t] : m;
+    vec sum = (vec){0}, lane;
+    for (int i = 0; i < VW; i++) lane[i] = (float)i;
+    int64_t t = 0;
+    for (; t < n; t += VW) {
+        vec e = exp_nonpositive(loadv(p + t) - m);
+        ivec inside = lane + (float)t < (vec){0} + (float)n;
+        e = (vec)((ivec)e & inside);
+        storev(p + t, e);
+        sum += e;
+    }
+    for (; t < limit; t++) p[t] = 0.0f; /* past this row's causal limit */
+    float total = 0.0f;
+    for (int i = 0; i < VW; i++) total += sum[i];
+    return 1.0f / total;
+}
+
+static void prefill_values(const float *s, int64_t ctxp, const float *v, int64_t ldv,
+                           int64_t limit, const float *inv, float *const *ov) {
+    vec acc[PT][2];
+    for (int r = 0; r < PT; r++) acc[r][0] = acc[r][1] = (vec){0};
+    for (int64_t t = 0; t < limit; t++) {
+        vec v0 = loadv(v + t * ldv), v1 = loadv(v + t * ldv + VW);
+        for (int r = 0; r < PT; r++) {
+            vec w = (vec){0} + s[r * ctxp + t];
+            acc[r][0] += w * v0;
+            acc[r][1] += w * v1;
+        }
+    }
+    for (int r = 0; r < PT; r++) {
+        if (!ov[r]) continue;
+        storev(ov[r], acc[r][0] * inv[r]);
+        storev(ov[r] + VW, acc[r][1] * inv[r]);
+    }
+}
+
+void prefill_attention(const float *q, int64_t ldq, int64_t n, const float *k, int64_t ldk,
+                       const float *v, int64_t ldv, int64_t ctx, int64_t heads,
+                       int64_t kv_heads, int64_t dim, float scale, float *out, int64_t ldo,
+                       float *scratch) {
+    int64_t group = heads / kv_heads, ctxp = (ctx + KW - 1) / KW * KW, past = ctx - n;
+    float *kt = scratch, *s = scratch + dim * ctxp, *qt = s + PT * ctxp;
+    for (int64_t g = 0; g < kv_heads; g++) {
+        for (int64_t d = 0; d < dim; d++) {
+            float *row = kt + d * ctxp;
+            for (int64_t t = 0; t < ctx; t++) row[t] = k[t * ldk + g * dim + d];
+            for (int64_t t = ctx; t < ctxp; t++) row[t] = 0.0f;
+        }
+        for (int64_t u0 = 0; u0 < n * group; u0 += PT) {
+            const float *qv[PT];
+            float *ov[PT], inv[PT];
+            int64_t lim[PT];
+            for (int r = 0; r < PT; r++) {
+                int64_t u = u0 + r < n * group ? u0 + r : n * group - 1; /* spare: a repeat */
+                int64_t i = u / group, h = g * group + u % group;
+                qv[r] = q + i * ldq + h * dim;
+                ov[r] = u0 + r < n * group ? out + i * ldo + h * dim : 0;
+                lim[r] = past + i + 1;
+            }
+            int64_t limit = lim[PT - 1], padded = (limit + KW - 1) / KW * KW;
+            for (int64_t d = 0; d < dim; d++)
+                for (int r = 0; r < PT; r++) qt[d * PT + r] = qv[r][d];
+            prefill_scores(qt, kt, ctxp, dim, padded, scale, s);
+            for (int r = 0; r < PT; r++) inv[r] = softmax_weights(s + r * ctxp, lim[r], limit);
+            for (int64_t d = 0; d < dim; d += KW) {
+                float *od[PT];
+                for (int r = 0; r < PT; r++) od[r] = ov[r] ? ov[r] + d : 0;
+                prefill_values(s, ctxp, v + g * dim + d, ldv, limit, inv, od);
+            }
+        }
+    }
+}

@@ -1,5 +1,6 @@
-"""The CPU's decode attention on the compiled kernel, reading the paged cache in place, against
-the portable torch path (gathered blocks, padded, one SDPA call) on the same step."""
+"""The CPU's attention on the compiled kernels against the portable torch path on the same
+step: decodes reading the paged cache in place (against gathered blocks, padded, one SDPA
+call), and prefill chunks by the causal kernel (against SDPA per chunk)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_core.layers.attention import build_metadata, paged_attention
+from engine_core.layers.attention import _compiled_prefill, attend, build_metadata, paged_attention
+from engine_core.quant.fp8_kv import write as write_kv
 from tests.unit.engine_core.heads import kernels_or_skip
 
 
@@ -69,3 +71,34 @@ def test_a_decode_reads_only_its_own_context() -> None:
         outs.append(paged_attention(SimpleNamespace(layer_idx=0), query, key, value, None,
                                     scaling=0.5, tandem_meta=meta)[0])
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 32), (14, 2, 64), (4, 4, 128)])
+def test_prefill_chunks_on_the_kernel_match_sdpa(heads: int, kv_heads: int, dim: int) -> None:
+    """Prefill chunks by the compiled causal kernel, q, k and v strided views into one packed
+    projection as Tandem's models make them: a fresh prompt, a chunk after a cached prefix,
+    single-token and tile-edge lengths, beside a decode; the same as the SDPA path."""
+    block_size = 16
+    starts = np.array([0, 40, 0, 7, 100, 0])
+    num_new = np.array([37, 25, 1, 9, 1, 8])  # row 4: a decode
+    width = -(-int((starts + num_new).max()) // block_size)
+    table = np.random.default_rng(0).permutation(np.arange(1, len(starts) * width + 1))
+    table = table.reshape(len(starts), width)
+    tokens = int(num_new.sum())
+    torch.manual_seed(0)
+    packed = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    q = packed[:, :heads * dim].view(tokens, heads, dim)
+    k = packed[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = packed[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    outs = []
+    for compiled in (None, kernels_or_skip()):
+        generator = torch.Generator().manual_seed(1)
+        slots = (len(starts) * width + 1) * block_size
+        cache = [(torch.randn(slots, kv_heads, dim, generator=generator),
+                  torch.randn(slots, kv_heads, dim, generator=generator))]
+        meta, _ = build_metadata(starts, num_new, table, block_size, cache,
+                                 torch.device("cpu"), compiled)
+        write_kv(cache[0][0], cache[0][1], meta.slot_mapping, k, v, None)
+        assert _compiled_prefill(q, cache[0][0], None, torch.empty_like(q))
+        outs.append(attend(0, q, k, v, dim ** -0.5, meta))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
