@@ -36,6 +36,23 @@ typedef float vec __attribute__((vector_size(VW * 4)));
 static inline vec loadv(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
 static inline void storev(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
+typedef int32_t ivec __attribute__((vector_size(VW * 4)));
+
+/* e^x for x <= 0, a vector at a time (e^-87, ~1.6e-38, below -87): 2^n by the exponent bits
+ * times e^g, |g| <= ln 2 / 2, by its Taylor series to degree 7 (relative error below 1e-8;
+ * glibc's own vector expf is 8 floats wide here, a call per vector, and was a third of a
+ * chunk's attention). silu_mul and the prefill softmax use it. */
+static inline vec exp_nonpositive(vec x) {
+    ivec low = x < (vec){0} - 87.0f;
+    x = (vec)(((ivec)x & ~low) | ((ivec)((vec){0} - 87.0f) & low));
+    ivec n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, ivec); /* round */
+    vec nf = __builtin_convertvector(n, vec);
+    vec g = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
+    vec p = 1.0f + g * (1.0f + g * (0.5f + g * (1.0f / 6 + g * (1.0f / 24 + g * (
+        1.0f / 120 + g * (1.0f / 720 + g * (1.0f / 5040)))))));
+    return (vec)((ivec)p + (n << 23));
+}
+
 /* c[r, 0:16] = a[r, :] @ panel for mr rows; mr is a constant wherever this is inlined */
 static inline __attribute__((always_inline)) void tile(const int mr, const float *a, int64_t lda,
                                                        const float *panel, int64_t hidden,
@@ -140,15 +157,32 @@ void rms_norm(float *x, const float *res, const float *w, float eps, int64_t row
     }
 }
 
+/* silu(g) * u a vector at a time. With e = e^-|g|, which cannot overflow, silu(g) is g / (1 + e)
+ * for g >= 0 and g * e / (1 + e) below, both within a few ulp of g / (1 + e^-g); below -87,
+ * where exp_nonpositive stops, -0 (torch's own result is -0 from -88.7 on, a few 1e-37 above). */
+static inline vec silu_times(vec g, vec u) {
+    ivec negative = g < (vec){0}, vanishing = g < (vec){0} - 87.0f;
+    vec e = exp_nonpositive((vec)((ivec)g | ((ivec){0} + INT32_MIN))); /* the sign bit set */
+    vec num = (vec)(((ivec)e & negative & ~vanishing) | ((ivec)((vec){0} + 1.0f) & ~negative));
+    return g * num / (1.0f + e) * u;
+}
+
 /* out[r] = silu(gate) * up for rows r < rows, where x[r] ([2 * width]) is gate then up side
  * by side (the merged gate-up projection's output) and out[r] is [width] */
 void silu_mul(const float *x, int64_t rows, int64_t width, float *out) {
+    int64_t whole = width - width % VW;
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = x + r * 2 * width, *up = gate + width;
         float *o = out + r * width;
-        for (int64_t i = 0; i < width; i++) {
-            float g = gate[i];
-            o[i] = g / (1.0f + expf(-g)) * up[i];
+        for (int64_t i = 0; i < whole; i += VW)
+            storev(o + i, silu_times(loadv(gate + i), loadv(up + i)));
+        if (whole < width) { /* the last width % VW columns, through a zero-padded vector */
+            size_t rest = (size_t)(width - whole) * sizeof(float);
+            vec g = (vec){0}, u = (vec){0};
+            memcpy(&g, gate + whole, rest);
+            memcpy(&u, up + whole, rest);
+            vec y = silu_times(g, u);
+            memcpy(o + whole, &y, rest);
         }
     }
 }
@@ -269,22 +303,6 @@ static void prefill_scores(const float *qt, const float *kt, int64_t ctxp, int64
             storev(s + r * ctxp + t + VW, acc[r][1] * scale);
         }
     }
-}
-
-typedef int32_t ivec __attribute__((vector_size(VW * 4)));
-
-/* e^x for x <= 0, a vector at a time (0 below -87): 2^n by the exponent bits times e^g,
- * |g| <= ln 2 / 2, by its Taylor series to degree 7 (relative error below 1e-8; glibc's own
- * vector expf is 8 floats wide here and was a third of a chunk's attention). */
-static inline vec exp_nonpositive(vec x) {
-    ivec low = x < (vec){0} - 87.0f;
-    x = (vec)(((ivec)x & ~low) | ((ivec)((vec){0} - 87.0f) & low));
-    ivec n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, ivec); /* round */
-    vec nf = __builtin_convertvector(n, vec);
-    vec g = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
-    vec p = 1.0f + g * (1.0f + g * (0.5f + g * (1.0f / 6 + g * (1.0f / 24 + g * (
-        1.0f / 120 + g * (1.0f / 720 + g * (1.0f / 5040)))))));
-    return (vec)((ivec)p + (n << 23));
 }
 
 /* p[0:n] replaced by its softmax weights, unnormalized, and p[n:limit] by zeros; returns

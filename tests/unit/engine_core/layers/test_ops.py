@@ -139,7 +139,7 @@ def test_native_ops_match_the_reference():
     assert torch.equal(a, b)  # the residual stream: the same sum
     gate_up = torch.randn(5, 2 * 333, generator=_g(9)) * 8
     torch.testing.assert_close(native.silu_mul(gate_up), ref.silu_mul(gate_up),
-                               rtol=1e-6, atol=1e-6)
+                               rtol=1e-6, atol=0)  # a few ulp, relative everywhere
     qkv, positions, table, slots = rope_case()
     norm = QKNorm(torch.randn(32, generator=_g(10)), torch.randn(32, generator=_g(11)), 1e-6)
     for qk_norm in (None, norm):
@@ -149,6 +149,24 @@ def test_native_ops_match_the_reference():
     # into an fp8 cache: what the native rotation gives, quantized
     assert_fp8_caches(run_rope(native, qkv, positions, table, slots, scales=FP8_SCALES),
                       run_rope(native, qkv, positions, table, slots), slots)
+
+
+def test_native_silu_mul_at_the_edges():
+    """Large |gate| (below -88.7 e^-gate overflows: the kernel takes e^-|gate|), 0 and -0, and
+    37 columns: whole vectors and a tail of 5, with 8 or 16 floats a vector."""
+    native, ref = NativeOps(kernels_or_skip()), TorchOps()
+    gate = torch.tensor([0.0, -0.0, 1e-3, -1e-3, 1e-30, -1e-30, 0.5, -0.5, 3.0, -3.0, 20.0, -20.0,
+                         86.0, -86.0, 87.0, -87.0, 88.0, -88.0, 90.0, -90.0, 100.0, -100.0, 1e4,
+                         -1e4, 1e30, -1e30])
+    gate = torch.cat([gate, torch.linspace(-40, 40, 37 - len(gate))])
+    up = torch.randn(4, 37, generator=_g(12)) * 3
+    gate_up = torch.cat([gate.expand(4, 37), up], dim=1).contiguous()
+    got, want = native.silu_mul(gate_up), ref.silu_mul(gate_up)
+    assert not got.isnan().any()
+    # below -87 the kernel gives -0 where torch gives -0 or, down to -88.7, a few 1e-37
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-35)
+    zeros = got[:, :2], want[:, :2]  # from 0 and -0: zeros of the same signs
+    assert not zeros[0].any() and torch.equal(zeros[0].signbit(), zeros[1].signbit())
 
 
 # -- the Triton kernels, in the interpreter -----------------------------------------------------
