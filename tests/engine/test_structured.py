@@ -241,17 +241,20 @@ def test_greedy_is_the_argmax_of_the_masked_raw_logits(core, prompt):
 def test_preemption_keeps_matchers_in_step(tiny_llama, core, tok, prompt):
     """A cache too small for the batch preempts (and recomputes) constrained requests; their
     greedy outputs equal those of a roomy engine."""
-    small = EngineCore(EngineConfig(model=str(tiny_llama), num_kv_blocks=16, block_size=8,
+    # 14 blocks of 8: the fewest that hold one request (9 + 100 tokens)
+    small = EngineCore(EngineConfig(model=str(tiny_llama), num_kv_blocks=14, block_size=8,
                                     max_model_len=512))
     long_text = {"type": "object", "required": ["text"], "additionalProperties": False,
-                 "properties": {"text": {"type": "string", "minLength": 60, "maxLength": 70}}}
-    constraints = [json_constraint(long_text), StructuredOutput("regex", "[a-z ]{70,80}"),
+                 "properties": {"text": {"type": "string", "minLength": 200, "maxLength": 220}}}
+    constraints = [json_constraint(long_text), StructuredOutput("regex", "[a-z ]{200,220}"),
                    StructuredOutput("json_object")] * 2
     outputs = []
     for engine in (core, small):
         for i, c in enumerate(constraints):
             engine.add_request(f"p{i}", prompt + [i + 10], SamplingParams(
                 max_tokens=100, temperature=0.0, structured=c))
+        for c in constraints:  # compiled before the first step: all six admitted together
+            engine.grammars.grammar_for(c).wait(30)
         outputs.append(run(engine))
     assert small.scheduler.num_preemptions > 0
     for i in range(len(constraints)):
