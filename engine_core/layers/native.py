@@ -57,6 +57,9 @@ class Kernels:
         self.rotary = lib.rotary
         self.rotary.argtypes = [_P, _I, _I, _I, _I, _P, _P, _I]
         self.rotary.restype = None
+        self.cache_write = lib.cache_write
+        self.cache_write.argtypes = [_P, _I, _P, _I, _I, _I, _P, _I, _P, _P]
+        self.cache_write.restype = ctypes.c_int64
         # decode rows' attention over the paged KV cache, read in place (attention.py)
         self.decode_attention = lib.decode_attention
         self.decode_attention.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _F,

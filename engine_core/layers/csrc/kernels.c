@@ -16,6 +16,7 @@
  * time, each block reduced while it is still in L1/L2: its maximum and, for the rows that ask,
  * the sum of exp((logit - block max) * scale).
  * count_above: how many logits of each picked row exceed its threshold (rank - 1 of a token).
+ * cache_write: a step's K and V rows into the float32 paged cache.
  * decode_attention (at the end): decode rows' attention, reading the paged KV cache in place.
  */
 #include <math.h>
@@ -204,6 +205,21 @@ void rotary(float *x, int64_t ldx, int64_t rows, int64_t heads, int64_t dim, con
             }
         }
     }
+}
+
+/* The step's K and V rows into the float32 caches ([slots][width], contiguous): row t of k
+ * (row stride ldk) and of v (ldv), width floats each, into slot slots[t]. Returns rows, or
+ * -1 - t for the first row t whose slot is not in [0, num_slots) (nothing written from it). */
+int64_t cache_write(const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t rows,
+                    int64_t width, const int64_t *slots, int64_t num_slots, float *k_cache,
+                    float *v_cache) {
+    for (int64_t t = 0; t < rows; t++) {
+        int64_t slot = slots[t];
+        if (slot < 0 || slot >= num_slots) return -1 - t;
+        memcpy(k_cache + slot * width, k + t * ldk, width * sizeof(float));
+        memcpy(v_cache + slot * width, v + t * ldv, width * sizeof(float));
+    }
+    return rows;
 }
 
 /* Attention of decode rows r < rows (one query each) over their contexts in the paged KV cache,

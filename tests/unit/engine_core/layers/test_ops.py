@@ -151,6 +151,18 @@ def test_native_ops_match_the_reference():
                       run_rope(native, qkv, positions, table, slots), slots)
 
 
+def test_native_cache_write_refuses_a_slot_out_of_range():
+    """The compiled row copy checks each slot against the cache (as index_copy_ did): one past
+    the end, or negative, is an IndexError naming it."""
+    native = NativeOps(kernels_or_skip())
+    qkv, positions, table, slots = rope_case()
+    for bad_slot in (3 * len(slots), -1):
+        bad = slots.clone()
+        bad[4] = bad_slot
+        with pytest.raises(IndexError, match=f"cache slot {bad_slot} out of range"):
+            run_rope(native, qkv, positions, table, bad)
+
+
 def test_native_silu_mul_at_the_edges():
     """Large |gate| (below -88.7 e^-gate overflows: the kernel takes e^-|gate|), 0 and -0, and
     37 columns: whole vectors and a tail of 5, with 8 or 16 floats a vector."""
