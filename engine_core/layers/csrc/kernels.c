@@ -321,25 +321,39 @@ static void prefill_scores(const float *qt, const float *kt, int64_t ctxp, int64
     }
 }
 
-/* p[0:n] replaced by its softmax weights, unnormalized, and p[n:limit] by zeros; returns
- * 1 / their sum. p has room for n rounded up to VW. */
-static float softmax_weights(float *p, int64_t n, int64_t limit) {
-    float m = p[0];
-    for (int64_t t = 1; t < n; t++) m = p[t] > m ? p[t] : m;
-    vec sum = (vec){0}, lane;
+/* Each row r < PT of the tile's scores (s + r * ctxp) replaced by its softmax weights,
+ * unnormalized, up to its causal limit lim[r], and by zeros from there to limit (the tile's);
+ * inv[r] = 1 / their sum. The rows take turns a vector at a time, so that their exps (a
+ * dependent chain each) overlap: the kernel took 1.04-1.16x as long with a row after row
+ * (AVX-512; 1.02-1.04x with AVX2). A row has room for lim[r] rounded up to VW. */
+static void softmax_tile(float *s, int64_t ctxp, const int64_t *lim, int64_t limit,
+                         float *inv) {
+    vec m[PT], sum[PT], lane;
     for (int i = 0; i < VW; i++) lane[i] = (float)i;
-    int64_t t = 0;
-    for (; t < n; t += VW) {
-        vec e = exp_nonpositive(loadv(p + t) - m);
-        ivec inside = lane + (float)t < (vec){0} + (float)n;
-        e = (vec)((ivec)e & inside);
-        storev(p + t, e);
-        sum += e;
+    for (int r = 0; r < PT; r++) {
+        const float *p = s + r * ctxp;
+        float mr = p[0];
+        for (int64_t t = 1; t < lim[r]; t++) mr = p[t] > mr ? p[t] : mr;
+        m[r] = (vec){0} + mr;
+        sum[r] = (vec){0};
     }
-    for (; t < limit; t++) p[t] = 0.0f; /* past this row's causal limit */
-    float total = 0.0f;
-    for (int i = 0; i < VW; i++) total += sum[i];
-    return 1.0f / total;
+    for (int64_t t = 0; t < limit; t += VW) {
+        for (int r = 0; r < PT; r++) {
+            if (t >= lim[r]) continue;
+            float *p = s + r * ctxp + t;
+            vec e = exp_nonpositive(loadv(p) - m[r]);
+            ivec inside = lane + (float)t < (vec){0} + (float)lim[r];
+            e = (vec)((ivec)e & inside);
+            storev(p, e);
+            sum[r] += e;
+        }
+    }
+    for (int r = 0; r < PT; r++) {
+        float *p = s + r * ctxp, total = 0.0f;
+        for (int64_t t = (lim[r] + VW - 1) / VW * VW; t < limit; t++) p[t] = 0.0f;
+        for (int i = 0; i < VW; i++) total += sum[r][i];
+        inv[r] = 1.0f / total;
+    }
 }
 
 static void prefill_values(const float *s, int64_t ctxp, const float *v, int64_t ldv,
@@ -388,7 +402,7 @@ void prefill_attention(const float *q, int64_t ldq, int64_t n, const float *k, i
             for (int64_t d = 0; d < dim; d++)
                 for (int r = 0; r < PT; r++) qt[d * PT + r] = qv[r][d];
             prefill_scores(qt, kt, ctxp, dim, padded, scale, s);
-            for (int r = 0; r < PT; r++) inv[r] = softmax_weights(s + r * ctxp, lim[r], limit);
+            softmax_tile(s, ctxp, lim, limit, inv);
             for (int64_t d = 0; d < dim; d += KW) {
                 float *od[PT];
                 for (int r = 0; r < PT; r++) od[r] = ov[r] ? ov[r] + d : 0;
