@@ -21,7 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 log = logging.getLogger(__name__)
-WARMUP = 3  # steps of each size measured with each thread count before choosing
+WARMUP = 3  # steps of each size measured with each thread count before choosing...
+# ... or one each, where each count's step took this long: a step of seconds (a real model's
+# prefill chunk) is measured well by one, and three of them on the slower count cost seconds
+# (docs/benchmarks.md: the 0.5B shape's first 64 embeddings, 1.29 against 1.47 req/s). Both
+# counts' steps must be long, so that one step slowed by a one-off cost decides nothing.
+LONG_STEP_S = 0.1
 EXPLORE_EVERY = 16  # steps of a size between tries of a count that is not the best
 SMOOTHING = 0.2  # weight of the newest step in a running mean
 # More threads must be this much faster to be used: a core the engine takes for a small gain
@@ -34,9 +39,11 @@ MORE_THREADS_MARGIN = 1.2
 class _Arm:
     seconds_per_token: float = 0.0
     steps: int = 0
+    seconds: float = 0.0  # the steps' time in all
 
-    def add(self, value: float) -> None:
+    def add(self, value: float, seconds: float) -> None:
         self.steps += 1
+        self.seconds += seconds
         weight = max(SMOOTHING, 1.0 / self.steps)  # a plain mean until it has a few steps
         self.seconds_per_token += weight * (value - self.seconds_per_token)
 
@@ -46,6 +53,13 @@ class _Size:
     arms: dict[int, _Arm]
     steps: int = 0
     best: int = 0  # the thread count it uses, once every count has been measured
+
+    @property
+    def measured(self) -> bool:
+        """Whether every count has been measured enough to choose (WARMUP, LONG_STEP_S)."""
+        arms = self.arms.values()
+        return (all(a.steps >= WARMUP for a in arms)
+                or all(a.steps and a.seconds >= LONG_STEP_S * a.steps for a in arms))
 
 
 @dataclass
@@ -62,9 +76,8 @@ class ThreadPolicy:
         size.steps += 1
         # Warming up, the counts take turns (the least measured first), so a phase of the
         # load (a burst of arrivals, a busy frontend) weighs on each alike.
-        fewest = min(size.arms, key=lambda n: size.arms[n].steps)
-        if size.arms[fewest].steps < WARMUP:
-            return fewest
+        if not size.measured:
+            return min(size.arms, key=lambda n: size.arms[n].steps)
         best = self._best(size)
         for n, arm in size.arms.items():
             if n != best and size.steps % self._explore_every(arm, size.arms[best]) == 0:
@@ -75,8 +88,8 @@ class ThreadPolicy:
         if tokens <= 0:
             return
         size = self._size(tokens)
-        size.arms[threads].add(seconds / tokens)
-        if all(a.steps >= WARMUP for a in size.arms.values()):
+        size.arms[threads].add(seconds / tokens, seconds)
+        if size.measured:
             best = self._best(size)
             if best != size.best:
                 log.log(logging.INFO if not size.best else logging.DEBUG,

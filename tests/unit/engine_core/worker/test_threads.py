@@ -1,12 +1,12 @@
-from engine_core.worker.threads import EXPLORE_EVERY, WARMUP, ThreadPolicy
+from engine_core.worker.threads import EXPLORE_EVERY, LONG_STEP_S, WARMUP, ThreadPolicy
 
 
 def run(policy: ThreadPolicy, tokens: int, cost: dict[int, float], steps: int) -> list[int]:
-    """Drive `steps` steps of `tokens` tokens whose time per token is cost[threads]."""
+    """Drive `steps` steps of `tokens` tokens whose time per token is cost[threads] µs."""
     used = []
     for _ in range(steps):
         n = policy.choose(tokens)
-        policy.record(tokens, n, cost[n] * tokens)
+        policy.record(tokens, n, cost[n] * tokens * 1e-6)
         used.append(n)
     return used
 
@@ -19,6 +19,24 @@ def test_measures_each_count_then_keeps_the_faster_and_tries_the_other_now_and_t
     assert later.count(2) > 0.9 * len(later)
     assert 0 < later.count(1) <= len(later) // EXPLORE_EVERY + 1
     assert policy.best() == {(512).bit_length(): 2}
+
+
+def test_long_steps_are_measured_once_on_each_count():
+    """A real model's prefill chunk takes seconds: three on the slower count would cost more
+    than a wrong choice, which exploring corrects anyway."""
+    policy = ThreadPolicy((1, 2), set_threads=lambda n: None)
+    per_token = LONG_STEP_S / 1024 * 1e6
+    used = run(policy, 1024, {1: 3 * per_token, 2: 1.5 * per_token}, 40)
+    assert used[:3] == [1, 2, 2] and used[2:].count(1) <= 1
+    assert policy.best() == {(1024).bit_length(): 2}
+
+
+def test_one_slow_step_does_not_cut_the_measuring_short():
+    """Short steps, the first on one thread slowed by a one-off cost: still WARMUP each."""
+    policy = ThreadPolicy((1, 2), set_threads=lambda n: None)
+    policy.record(64, policy.choose(64), 10 * LONG_STEP_S)
+    used = run(policy, 64, {1: 10.0, 2: 20.0}, 2 * WARMUP - 2)
+    assert used == [2, 1] * (WARMUP - 1) and policy.best() == {}
 
 
 def test_each_step_size_learns_on_its_own():
