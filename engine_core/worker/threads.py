@@ -41,11 +41,11 @@ class _Arm:
     steps: int = 0
     seconds: float = 0.0  # the steps' time in all
 
-    def add(self, value: float, seconds: float) -> None:
+    def add(self, seconds: float, tokens: int) -> None:
         self.steps += 1
         self.seconds += seconds
         weight = max(SMOOTHING, 1.0 / self.steps)  # a plain mean until it has a few steps
-        self.seconds_per_token += weight * (value - self.seconds_per_token)
+        self.seconds_per_token += weight * (seconds / tokens - self.seconds_per_token)
 
 
 @dataclass
@@ -59,7 +59,7 @@ class _Size:
         """Whether every count has been measured enough to choose (WARMUP, LONG_STEP_S)."""
         arms = self.arms.values()
         return (all(a.steps >= WARMUP for a in arms)
-                or all(a.steps and a.seconds >= LONG_STEP_S * a.steps for a in arms))
+                or all(a.steps > 0 and a.seconds >= LONG_STEP_S * a.steps for a in arms))
 
 
 @dataclass
@@ -88,7 +88,7 @@ class ThreadPolicy:
         if tokens <= 0:
             return
         size = self._size(tokens)
-        size.arms[threads].add(seconds / tokens, seconds)
+        size.arms[threads].add(seconds, tokens)
         if size.measured:
             best = self._best(size)
             if best != size.best:
